@@ -1,0 +1,42 @@
+// Bucket assignment: which parameters share a flat gradient buffer.
+//
+// Torch-free on purpose: it is the one implementation of the rule, unit-tested
+// from C++ (ctest) and from Python (hypothesis, against an independent reference).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fused_reducer {
+
+// What bucketing needs to know about one parameter.
+struct TensorInfo {
+  int64_t bytes;  // numel * element size
+  int64_t group;  // parameters only share a bucket within a group: one group per (dtype, device)
+};
+
+// Size limits of the buckets of one group, in launch order: [first, cap, cap, ...].
+struct BucketLimits {
+  int64_t first_bytes;
+  int64_t cap_bytes;
+};
+
+// Note [Bucket assignment]
+// Parameters are visited in `order` (the order their gradients are expected to
+// become ready: reverse registration order before the first rebuild, observed
+// ready order after). Each group fills one open bucket at a time; a bucket
+// closes as soon as its byte size reaches its limit, so a parameter is never
+// split and a bucket may exceed its limit by less than one parameter. The k-th
+// bucket of a group has limit first_bytes for k == 0 and cap_bytes after.
+// Buckets are returned in launch order: by the position in `order` of their
+// first parameter. Each bucket lists parameter indices in `order` order.
+std::vector<std::vector<int64_t>> assign_buckets(
+    const std::vector<TensorInfo>& tensors,
+    const std::vector<int64_t>& order,
+    const BucketLimits& limits);
+
+// Throws std::invalid_argument naming `setting` unless 0 < bytes.
+void check_bucket_bytes(const std::string& setting, int64_t bytes);
+
+}  // namespace fused_reducer

@@ -1,0 +1,496 @@
+#include "reducer.h"
+
+#include <ATen/ScalarOps.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+namespace fused_reducer {
+namespace {
+
+constexpr const char* kFindUnusedHint =
+    "If some parameters are legitimately unused in forward, construct FusedReducer with "
+    "find_unused_parameters=True; otherwise make every forward output take part in the loss.";
+
+std::string megabytes(int64_t bytes) {
+  std::ostringstream out;
+  out.precision(3);
+  out << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  return out.str();
+}
+
+}  // namespace
+
+// Note [Persistent limits]
+// DDP reads its first-bucket size once, and its rebuild uses a C++ constant,
+// so changing it later has no effect. Here the limits live in options_ and
+// every layout (the initial one, the automatic rebuild after the first step,
+// and every rebuild a user asks for) is computed from them, so a value set by
+// the user holds until it is set again. Rank 0's values travel with the
+// layout broadcast, so ranks cannot disagree on them.
+
+Reducer::Reducer(std::vector<at::Tensor> params,
+                 std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> group,
+                 at::Device control_device,
+                 std::unique_ptr<Transport> transport,
+                 ReducerOptions options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      group_(std::move(group)),
+      control_device_(control_device),
+      transport_(std::move(transport)),
+      options_(options),
+      rank_(group_->getRank()),
+      world_size_(group_->getSize()) {
+  TORCH_CHECK(!params_.empty(), "FusedReducer: the module has no trainable parameters");
+  TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
+  check_bucket_bytes("first_bucket_bytes", options_.first_bucket_bytes);
+  check_bucket_bytes("bucket_cap_bytes", options_.bucket_cap_bytes);
+
+  // One bucket group per (dtype, device), numbered in registration order.
+  std::map<std::pair<int, std::string>, int64_t> groups;
+  for (const auto& p : params_) {
+    auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+    auto it = groups.emplace(key, static_cast<int64_t>(groups.size())).first;
+    infos_.push_back({static_cast<int64_t>(p.numel() * p.element_size()), it->second});
+  }
+
+  // Before any gradient was seen, expect them in reverse registration order.
+  std::vector<int64_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    order[i] = static_cast<int64_t>(order.size() - 1 - i);
+  }
+  build_buckets(order);
+  install_hooks();
+}
+
+Reducer::~Reducer() {
+  // Remove the hooks: they point at this object, the accumulators may outlive it.
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+  wait_for_launched_quietly();
+}
+
+void Reducer::install_hooks() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    const auto index = static_cast<int64_t>(i);
+    hook_keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, index](const torch::autograd::variable_list& outputs,
+                          const torch::autograd::variable_list& /*inputs*/) {
+              on_gradient_ready(index);
+              return outputs;
+            })));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Hook -> bucket -> collective
+// ---------------------------------------------------------------------------
+
+void Reducer::on_gradient_ready(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sync_enabled_) {
+    return;  // no_sync(): the gradient stays in param.grad
+  }
+  if (!expect_hooks_) {
+    TORCH_CHECK(!finished_since_forward_,
+                "FusedReducer: parameter '", names_[index], "' (index ", index,
+                ") was marked ready twice: a second backward ran through the graph of one "
+                "forward after its gradients were already averaged. Run forward before each "
+                "backward, or do the extra backward inside no_sync().");
+    return;  // the wrapped module was called directly, not through FusedReducer
+  }
+  TORCH_CHECK(!ready_[index],
+              "FusedReducer: parameter '", names_[index], "' (index ", index,
+              ") was marked ready twice in one backward. This happens with reentrant "
+              "activation checkpointing or when one backward reaches a parameter twice; "
+              "use torch.utils.checkpoint(..., use_reentrant=False).");
+  const auto& grad = params_[index].grad();
+  TORCH_CHECK(!grad.defined() || !grad.is_sparse(),
+              "FusedReducer: parameter '", names_[index],
+              "' produced a sparse gradient, which FusedReducer does not reduce; "
+              "use a dense gradient (e.g. nn.Embedding(sparse=False)).");
+  if (!callback_queued_) {
+    // Finish the iteration when this backward ends, wherever it ends.
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    callback_queued_ = true;
+  }
+  ready_[index] = 1;
+  ready_order_.push_back(index);
+  Bucket& bucket = buckets_[bucket_of_[index]];
+  if (--bucket.pending == 0) {
+    launch_ready_buckets();
+  }
+}
+
+// Buckets launch strictly in order, each as soon as it and all before it are
+// complete, so every rank issues the same collectives in the same order.
+void Reducer::launch_ready_buckets() {
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    Bucket& bucket = buckets_[next_to_launch_++];
+    pack_bucket(bucket);
+    bucket.collective = transport_->allreduce_sum(bucket.flat);
+    launched_this_step_ += 1;
+    launched_bytes_this_step_ += bucket.bytes;
+  }
+}
+
+// grads -> flat, scaled by 1/world_size so that the sum is the average.
+void Reducer::pack_bucket(Bucket& bucket) {
+  const double scale = 1.0 / world_size_;
+  const auto scale_tensor = at::native::wrapped_scalar_tensor(scale);
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+    at::Tensor& view = bucket.views[slot];
+    if (!grad.defined()) {
+      view.zero_();  // an unused parameter contributes nothing
+    } else if (grad.is_alias_of(view)) {
+      view.mul_(scale_tensor);  // gradient_as_bucket_view: already in place
+    } else {
+      at::mul_out(view, grad, scale_tensor);
+      if (options_.gradient_as_bucket_view) {
+        grad = view;
+      }
+    }
+  }
+}
+
+// flat -> param.grad (a no-op for gradients that are views of the bucket).
+void Reducer::unpack_bucket(Bucket& bucket) {
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+    const at::Tensor& view = bucket.views[slot];
+    if (!grad.defined()) {
+      grad = options_.gradient_as_bucket_view ? view : view.clone();
+    } else if (!grad.is_alias_of(view)) {
+      grad.copy_(view);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// End of backward
+// ---------------------------------------------------------------------------
+
+void Reducer::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_hooks_ = false;
+  finished_since_forward_ = true;
+  callback_queued_ = false;
+
+  std::vector<int64_t> unready;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) {
+      unready.push_back(static_cast<int64_t>(i));
+    }
+  }
+
+  if (!unready.empty() && !options_.find_unused_parameters) {
+    // Buckets holding these parameters can never complete. Finish what was
+    // launched (every rank launched the same prefix) and report at the next
+    // forward, as DDP does, naming the parameters.
+    wait_for_launched_quietly();
+    std::ostringstream msg;
+    msg << "FusedReducer: expected every parameter to receive a gradient in the previous "
+        << "backward, but " << unready.size() << " did not: " << describe_params(unready)
+        << ". Their gradients were not averaged across ranks. " << kFindUnusedHint;
+    deferred_error_ = msg.str();
+    return;
+  }
+
+  at::Tensor globally_used;
+  if (options_.find_unused_parameters) {
+    // Locally unused parameters contribute zeros; launch what they held back.
+    for (int64_t index : unready) {
+      buckets_[bucket_of_[index]].pending -= 1;
+    }
+    launch_ready_buckets();
+    // Which parameters were used on any rank: only those get a gradient.
+    at::Tensor used = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
+    std::copy(ready_.begin(), ready_.end(), used.data_ptr<int32_t>());
+    used = used.to(params_.front().device());
+    auto pending = transport_->allreduce_sum(used);
+    launched_this_step_ += 1;
+    launched_bytes_this_step_ += used.numel() * used.element_size();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      wait_for_bucket(b);
+    }
+    pending->wait(options_.timeout);
+    globally_used = used.cpu();
+  }
+  TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
+
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    wait_for_bucket(b);
+    if (!globally_used.defined()) {
+      unpack_bucket(buckets_[b]);
+      continue;
+    }
+    // Leave the gradients of parameters no rank used untouched, like DDP.
+    Bucket& bucket = buckets_[b];
+    const auto* used = globally_used.data_ptr<int32_t>();
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      if (used[bucket.params[slot]] == 0) {
+        continue;
+      }
+      at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+      if (!grad.defined()) {
+        grad = options_.gradient_as_bucket_view ? bucket.views[slot] : bucket.views[slot].clone();
+      } else if (!grad.is_alias_of(bucket.views[slot])) {
+        grad.copy_(bucket.views[slot]);
+      }
+    }
+  }
+
+  stats_.step += 1;
+  stats_.allreduces = launched_this_step_;
+  stats_.allreduce_bytes = launched_bytes_this_step_;
+  last_ready_order_ = ready_order_;
+  if (!rebuilt_after_first_step_) {
+    // The first backward showed the real ready order: lay buckets out by it.
+    rebuilt_after_first_step_ = true;
+    rebuild_pending_ = true;
+  }
+}
+
+void Reducer::wait_for_bucket(size_t index) {
+  Bucket& bucket = buckets_[index];
+  if (!bucket.collective) {
+    return;
+  }
+  auto collective = std::move(bucket.collective);
+  try {
+    collective->wait(options_.timeout);
+  } catch (const std::exception& e) {
+    wait_for_launched_quietly();
+    TORCH_CHECK(false, "FusedReducer: all-reduce of bucket ", index, " of ", buckets_.size(),
+                " (", bucket.params.size(), " parameters, ", megabytes(bucket.bytes),
+                ", first '", names_[bucket.params.front()], "') over ", transport_->name(),
+                " failed: ", e.what(),
+                ". A peer rank may have died or stopped calling backward; check the other "
+                "ranks' logs.");
+  }
+}
+
+void Reducer::wait_for_launched_quietly() {
+  for (auto& bucket : buckets_) {
+    if (bucket.collective) {
+      try {
+        bucket.collective->wait(options_.timeout);
+      } catch (const std::exception&) {
+        // Already failing; the first error is the one reported.
+      }
+      bucket.collective.reset();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward: safe point for rebuilds
+// ---------------------------------------------------------------------------
+
+void Reducer::prepare_forward(bool will_sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!deferred_error_.empty()) {
+    std::string error = std::move(deferred_error_);
+    deferred_error_.clear();
+    reset_iteration();
+    TORCH_CHECK(false, error);
+  }
+  if (callback_queued_) {
+    // A backward raised midway; drop what it left in flight.
+    wait_for_launched_quietly();
+    callback_queued_ = false;
+  }
+  if (rebuild_pending_ && !last_ready_order_.empty()) {
+    rebuild_from_rank0();
+  }
+  reset_iteration();
+  expect_hooks_ = will_sync && sync_enabled_;
+}
+
+void Reducer::reset_iteration() {
+  ready_.assign(params_.size(), 0);
+  ready_order_.clear();
+  next_to_launch_ = 0;
+  launched_this_step_ = 0;
+  launched_bytes_this_step_ = 0;
+  for (auto& bucket : buckets_) {
+    bucket.pending = static_cast<int64_t>(bucket.params.size());
+    bucket.collective.reset();
+  }
+  expect_hooks_ = false;
+  finished_since_forward_ = false;
+}
+
+// The last observed ready order, completed with never-ready parameters in
+// reverse registration order.
+std::vector<int64_t> Reducer::observed_order() const {
+  std::vector<int64_t> order = last_ready_order_;
+  std::vector<char> seen(params_.size(), 0);
+  for (int64_t index : order) {
+    seen[index] = 1;
+  }
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (!seen[i]) {
+      order.push_back(i);
+    }
+  }
+  return order;
+}
+
+// Rank 0 decides the layout inputs (its limits and its observed order) and
+// broadcasts them; every rank then runs the same deterministic assignment on
+// parameters whose sizes were verified equal at construction.
+void Reducer::rebuild_from_rank0() {
+  const auto count = static_cast<int64_t>(params_.size());
+  at::Tensor message = at::empty({2 + count}, at::kLong);
+  auto* data = message.data_ptr<int64_t>();
+  data[0] = options_.first_bucket_bytes;
+  data[1] = options_.bucket_cap_bytes;
+  const auto order = observed_order();
+  std::copy(order.begin(), order.end(), data + 2);
+
+  std::vector<at::Tensor> tensors{message.to(control_device_)};
+  c10d::BroadcastOptions broadcast;
+  broadcast.rootRank = 0;
+  try {
+    group_->broadcast(tensors, broadcast)->wait(options_.timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "FusedReducer: broadcasting the rebuilt bucket layout from rank 0 failed: ",
+                e.what(), ". A peer rank may have died.");
+  }
+  message = tensors[0].cpu();
+  data = message.data_ptr<int64_t>();
+  options_.first_bucket_bytes = data[0];
+  options_.bucket_cap_bytes = data[1];
+  build_buckets(std::vector<int64_t>(data + 2, data + 2 + count));
+  rebuild_pending_ = false;
+  stats_.rebuilds += 1;
+}
+
+void Reducer::build_buckets(const std::vector<int64_t>& order) {
+  const auto assignment =
+      assign_buckets(infos_, order, {options_.first_bucket_bytes, options_.bucket_cap_bytes});
+  std::vector<Bucket> buckets(assignment.size());
+  bucket_of_.assign(params_.size(), -1);
+  slot_of_.assign(params_.size(), -1);
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket& bucket = buckets[b];
+    bucket.params = assignment[b];
+    int64_t numel = 0;
+    for (int64_t index : bucket.params) {
+      numel += params_[index].numel();
+    }
+    const auto& first = params_[bucket.params.front()];
+    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const int64_t index = bucket.params[slot];
+      const auto& param = params_[index];
+      bucket.views.push_back(bucket.flat.narrow(0, offset, param.numel()).view(param.sizes()));
+      offset += param.numel();
+      bucket.bytes += infos_[index].bytes;
+      bucket_of_[index] = static_cast<int64_t>(b);
+      slot_of_[index] = static_cast<int64_t>(slot);
+      if (options_.gradient_as_bucket_view) {
+        // Move existing gradients into the new buffer so param.grad stays a view.
+        at::Tensor& grad = params_[index].mutable_grad();
+        if (grad.defined()) {
+          bucket.views.back().copy_(grad);
+          grad = bucket.views.back();
+        }
+      }
+    }
+    bucket.pending = static_cast<int64_t>(bucket.params.size());
+  }
+  buckets_ = std::move(buckets);
+  stats_.first_bucket_bytes = options_.first_bucket_bytes;
+  stats_.bucket_cap_bytes = options_.bucket_cap_bytes;
+}
+
+// ---------------------------------------------------------------------------
+// Settings and introspection
+// ---------------------------------------------------------------------------
+
+void Reducer::set_first_bucket_bytes(int64_t bytes) {
+  check_bucket_bytes("first_bucket_bytes", bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.first_bucket_bytes = bytes;
+  rebuild_pending_ = true;
+}
+
+void Reducer::set_bucket_cap_bytes(int64_t bytes) {
+  check_bucket_bytes("bucket_cap_bytes", bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.bucket_cap_bytes = bytes;
+  rebuild_pending_ = true;
+}
+
+int64_t Reducer::first_bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.first_bucket_bytes;
+}
+
+int64_t Reducer::bucket_cap_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.bucket_cap_bytes;
+}
+
+void Reducer::request_rebuild() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rebuild_pending_ = true;
+}
+
+void Reducer::set_sync_enabled(bool enabled) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_enabled_ = enabled;
+}
+
+std::vector<int64_t> Reducer::bucket_sizes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> sizes;
+  for (const auto& bucket : buckets_) {
+    sizes.push_back(bucket.bytes);
+  }
+  return sizes;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_params() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> result;
+  for (const auto& bucket : buckets_) {
+    result.push_back(bucket.params);
+  }
+  return result;
+}
+
+ReducerStats Reducer::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ReducerStats stats = stats_;
+  stats.buckets = static_cast<int64_t>(buckets_.size());
+  stats.transport = transport_->name();
+  return stats;
+}
+
+std::string Reducer::describe_params(const std::vector<int64_t>& indices) const {
+  std::ostringstream out;
+  const size_t shown = std::min<size_t>(indices.size(), 10);
+  for (size_t i = 0; i < shown; ++i) {
+    out << (i ? ", " : "") << "'" << names_[indices[i]] << "' (index " << indices[i] << ")";
+  }
+  if (indices.size() > shown) {
+    out << " and " << indices.size() - shown << " more";
+  }
+  return out.str();
+}
+
+}  // namespace fused_reducer

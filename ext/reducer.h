@@ -1,0 +1,146 @@
+// Reducer: the gradient path of FusedReducer.
+//
+//   autograd hook (on_gradient_ready)      one parameter's gradient is final
+//     -> bucket complete (launch_ready_buckets)
+//        pack_bucket: grads -> flat buffer, scaled by 1/world_size
+//        transport_->allreduce_sum(flat)    in flight while backward goes on
+//   end of backward (finalize_backward)
+//     -> wait for every bucket, unpack_bucket: flat -> param.grad
+//
+// Everything here runs in C++: no Python call per parameter.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bucket_assignment.h"
+#include "transport.h"
+
+namespace fused_reducer {
+
+struct ReducerOptions {
+  int64_t first_bucket_bytes;
+  int64_t bucket_cap_bytes;
+  bool gradient_as_bucket_view = false;
+  bool find_unused_parameters = false;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+struct ReducerStats {
+  int64_t step = 0;             // completed synchronised backward passes
+  int64_t allreduces = 0;       // collectives launched in the last completed step
+  int64_t allreduce_bytes = 0;  // bytes they reduced
+  int64_t rebuilds = 0;         // layout rebuilds after construction
+  int64_t first_bucket_bytes = 0;
+  int64_t bucket_cap_bytes = 0;
+  int64_t buckets = 0;
+  std::string transport;
+};
+
+class Reducer {
+ public:
+  // `group` carries control messages (the layout broadcast from rank 0) as
+  // tensors on `control_device`; `transport` moves the gradient buckets.
+  Reducer(std::vector<at::Tensor> params,
+          std::vector<std::string> names,
+          c10::intrusive_ptr<c10d::ProcessGroup> group,
+          at::Device control_device,
+          std::unique_ptr<Transport> transport,
+          ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called by FusedReducer.forward before the wrapped module runs: raises the
+  // previous iteration's deferred error, applies a pending rebuild (a safe
+  // point: no gradient is in flight), and arms the hooks when `will_sync`.
+  void prepare_forward(bool will_sync);
+
+  // Setting a limit takes effect at the next prepare_forward, through a
+  // rebuild from the last observed ready order. See Note [Persistent limits].
+  void set_first_bucket_bytes(int64_t bytes);
+  void set_bucket_cap_bytes(int64_t bytes);
+  int64_t first_bucket_bytes() const;
+  int64_t bucket_cap_bytes() const;
+  void request_rebuild();
+
+  // no_sync(): hooks do nothing; gradients accumulate in param.grad and the
+  // next synchronised backward reduces the accumulated sum.
+  void set_sync_enabled(bool enabled);
+
+  std::vector<int64_t> bucket_sizes() const;              // bytes, launch order
+  std::vector<std::vector<int64_t>> bucket_params() const;  // parameter indices
+  ReducerStats stats() const;
+
+ private:
+  struct Bucket {
+    at::Tensor flat;                  // the contiguous buffer the collective reduces
+    std::vector<int64_t> params;      // parameter indices, in ready order
+    std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
+    int64_t bytes = 0;
+    int64_t pending = 0;              // parameters not ready yet this iteration
+    std::unique_ptr<PendingCollective> collective;
+  };
+
+  void install_hooks();
+  void on_gradient_ready(int64_t index);
+  void launch_ready_buckets();
+  void pack_bucket(Bucket& bucket);
+  void unpack_bucket(Bucket& bucket);
+  void finalize_backward();
+  void wait_for_bucket(size_t index);
+  void wait_for_launched_quietly();
+  void build_buckets(const std::vector<int64_t>& order);
+  void rebuild_from_rank0();
+  void reset_iteration();
+  std::vector<int64_t> observed_order() const;
+  std::string describe_params(const std::vector<int64_t>& indices) const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<TensorInfo> infos_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  at::Device control_device_;
+  std::unique_ptr<Transport> transport_;
+  ReducerOptions options_;
+  int rank_;
+  int world_size_;
+
+  // Hooks live on the parameters' grad accumulators. A tensor holds its
+  // accumulator only weakly, so the reducer keeps them alive (else the hook
+  // would vanish with a collected accumulator).
+  using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()));
+  std::vector<GradAccumulator> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  mutable std::mutex mutex_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> bucket_of_;  // parameter -> bucket
+  std::vector<int64_t> slot_of_;    // parameter -> index within its bucket
+
+  // Iteration state, reset by prepare_forward.
+  bool expect_hooks_ = false;             // armed by a synchronised forward
+  bool finished_since_forward_ = false;   // finalize ran; another hook means a second backward
+  bool callback_queued_ = false;
+  bool sync_enabled_ = true;
+  std::vector<char> ready_;
+  std::vector<int64_t> ready_order_;
+  size_t next_to_launch_ = 0;
+  int64_t launched_this_step_ = 0;
+  int64_t launched_bytes_this_step_ = 0;
+  std::string deferred_error_;  // raised by the next prepare_forward
+
+  // Layout state.
+  std::vector<int64_t> last_ready_order_;  // from the last completed backward
+  bool rebuild_pending_ = false;
+  bool rebuilt_after_first_step_ = false;
+  ReducerStats stats_;
+};
+
+}  // namespace fused_reducer

@@ -1,0 +1,36 @@
+// Transport: how one flat bucket is summed across ranks.
+//
+// The reducer (bucketing, ready tracking, copies) is written against this
+// interface only; transports differ in how a bucket moves, nothing else.
+// ProcessGroupTransport works with any c10d backend (gloo on CPU); the NCCL
+// transport calls NCCL directly on the reducer's own streams.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace fused_reducer {
+
+// A collective in flight.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Blocks until the result may be read on the caller's stream. Throws on
+  // failure or after `timeout`; the caller adds which bucket it was.
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Starts an in-place sum all-reduce of `flat` (a contiguous buffer owned by
+  // the reducer, kept alive by it until wait() returns).
+  virtual std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) = 0;
+  // Short name for stats and error messages, e.g. "process_group(gloo)".
+  virtual std::string name() const = 0;
+};
+
+}  // namespace fused_reducer

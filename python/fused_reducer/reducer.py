@@ -1,0 +1,196 @@
+"""FusedReducer: the nn.Module users wrap their model with.
+
+Python does the once-per-construction and once-per-forward work (checks, broadcasts, the safe
+point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
+"""
+import zlib
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+from .settings import check_bytes, get_default_first_bucket_bytes, megabytes_to_bytes
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+_MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
+
+
+class FusedReducer(nn.Module):
+    """Data-parallel wrapper: after ``loss.backward()`` every ``param.grad`` holds the average over
+    the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
+    and the cap stay tunable while training: set ``first_bucket_bytes`` / ``bucket_cap_bytes`` and
+    the next forward rebuilds the layout, and every later rebuild keeps the value.
+    """
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
+                 gradient_as_bucket_view=False, find_unused_parameters=False,
+                 broadcast_buffers=True, timeout=timedelta(minutes=10)):
+        super().__init__()
+        cap_bytes = megabytes_to_bytes("bucket_cap_mb", bucket_cap_mb)
+        first_bytes = (get_default_first_bucket_bytes() if first_bucket_mb is None
+                       else megabytes_to_bytes("first_bucket_mb", first_bucket_mb))
+        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.module = module
+        self.process_group = _resolve_group(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("FusedReducer: the module has no trainable parameters "
+                             "(none with requires_grad=True); there is nothing to reduce")
+        _refuse_sparse_gradients(module)
+        self._param_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self._control_device = _control_device(self.process_group, params)
+
+        _verify_same_model(self.process_group, self._param_names, params, self._control_device)
+        self._buffers = [b for b in module.buffers()]
+        _broadcast_from_rank0(self.process_group, params + self._buffers)
+
+        self._reducer = _C.Reducer(
+            params, self._param_names, self.process_group, str(self._control_device),
+            first_bytes, cap_bytes, gradient_as_bucket_view, find_unused_parameters, timeout_s)
+
+    # -- the step ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._reducer.prepare_forward(will_sync=True)
+        if self.broadcast_buffers and self._buffers:
+            _broadcast_from_rank0(self.process_group, self._buffers)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside accumulate into param.grad without
+        communication; the next synchronised backward reduces the accumulated sum."""
+        self._reducer.set_sync_enabled(False)
+        try:
+            yield
+        finally:
+            self._reducer.set_sync_enabled(True)
+
+    # -- knobs ---------------------------------------------------------------------------------
+    @property
+    def first_bucket_bytes(self):
+        """Size limit of the first bucket to launch. Setting it rebuilds the layout at the next
+        forward from the last observed gradient order; the value persists across rebuilds."""
+        return self._reducer.first_bucket_bytes
+
+    @first_bucket_bytes.setter
+    def first_bucket_bytes(self, nbytes):
+        self._reducer.first_bucket_bytes = check_bytes("first_bucket_bytes", nbytes)
+
+    @property
+    def bucket_cap_bytes(self):
+        """Size limit of every bucket after the first; same rules as first_bucket_bytes."""
+        return self._reducer.bucket_cap_bytes
+
+    @bucket_cap_bytes.setter
+    def bucket_cap_bytes(self, nbytes):
+        self._reducer.bucket_cap_bytes = check_bytes("bucket_cap_bytes", nbytes)
+
+    def rebuild_buckets(self):
+        """Rebuild the layout at the next forward from the last observed gradient-ready order."""
+        self._reducer.request_rebuild()
+
+    # -- introspection -------------------------------------------------------------------------
+    def bucket_sizes(self):
+        """Bytes per bucket of the layout in force, in launch order."""
+        return list(self._reducer.bucket_sizes())
+
+    def bucket_parameter_names(self):
+        """Parameter names per bucket of the layout in force, in launch order."""
+        return [[self._param_names[i] for i in bucket] for bucket in self._reducer.bucket_params()]
+
+    def stats(self):
+        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits."""
+        return dict(self._reducer.stats())
+
+
+def _resolve_group(process_group):
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "FusedReducer needs an initialised process group: call "
+            "torch.distributed.init_process_group(backend=...) first (torchrun provides the "
+            "rendezvous environment), or pass process_group=")
+    return dist.group.WORLD
+
+
+def _control_device(group, params):
+    """Where small control tensors live: NCCL groups only move CUDA tensors."""
+    if dist.get_backend(group) == "nccl":
+        cuda_params = [p for p in params if p.is_cuda]
+        return cuda_params[0].device if cuda_params else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _refuse_sparse_gradients(module):
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True:
+            raise ValueError(
+                f"FusedReducer: module '{name}' ({type(sub).__name__}) has sparse=True and would "
+                "produce sparse gradients, which FusedReducer does not reduce; construct it with "
+                "sparse=False (dense gradients) or keep it outside FusedReducer")
+
+
+def _shape_signature(params):
+    """One int64 row per parameter: dtype, ndim, numel, first _MAX_DIMS sizes (padded with -1)."""
+    rows = []
+    for p in params:
+        dims = list(p.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(p.dim(), _MAX_DIMS))
+        rows.append([_dtype_code(p.dtype), p.dim(), p.numel()] + dims)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _dtype_code(dtype):
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF  # same on every rank, unlike hash()
+
+
+_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _describe(row):
+    dims = [int(d) for d in row[3:3 + min(int(row[1]), _MAX_DIMS)]]
+    dtype = _DTYPE_NAMES.get(int(row[0]), "unknown dtype")
+    return f"shape {tuple(dims)} {dtype}"
+
+
+def _verify_same_model(group, names, params, device):
+    """Every rank must wrap the same parameters; otherwise raise, on every rank, naming the first
+    mismatching parameter. DDP over gloo crashes or hangs here instead."""
+    world = dist.get_world_size(group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(params)], dtype=torch.int64, device=device), group=group)
+    counts = [int(c.item()) for c in counts]
+    if len(set(counts)) != 1:
+        raise ValueError(
+            "FusedReducer: ranks wrap different models: trainable parameter counts per rank are "
+            f"{counts}. Build the same model on every rank.")
+    mine = _shape_signature(params).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    reference = gathered[0].cpu()
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        theirs = theirs.cpu()
+        for index in range(len(params)):
+            if not torch.equal(reference[index], theirs[index]):
+                kind = "dtype" if reference[index][0] != theirs[index][0] else "shape"
+                raise ValueError(
+                    f"FusedReducer: parameter '{names[index]}' (index {index}) differs across "
+                    f"ranks ({kind}): rank 0 has {_describe(reference[index])}, rank {rank} has "
+                    f"{_describe(theirs[index])}. Build the same model on every rank.")
+
+
+def _broadcast_from_rank0(group, tensors):
+    if tensors and dist.get_world_size(group) > 1:
+        with torch.no_grad():
+            dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, 0)

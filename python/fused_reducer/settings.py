@@ -1,0 +1,59 @@
+"""Validation of the bucket-size settings and the process-wide first-bucket default."""
+import math
+import numbers
+import os
+
+MiB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # DDP's default, kept so results are comparable
+ENV_FIRST_BUCKET_BYTES = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
+
+_default_first_bucket_bytes = None  # set_default_first_bucket_bytes() wins over the environment
+
+
+def check_bytes(setting, value):
+    """Return `value` as a positive int number of bytes, or raise naming `setting`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{setting} must be a positive int number of bytes, got {value!r} "
+                        f"({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{setting} must be a positive number of bytes, got {value}")
+    return int(value)
+
+
+def megabytes_to_bytes(setting, value):
+    """DDP-style size in MiB (int or float) -> bytes, or raise naming `setting`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{setting} must be a positive number of MiB, got {value!r} "
+                        f"({type(value).__name__})")
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(f"{setting} must be a positive, finite number of MiB, got {value}")
+    size = int(value * MiB)
+    if size <= 0:
+        raise ValueError(f"{setting}={value} MiB is less than one byte")
+    return size
+
+
+def set_default_first_bucket_bytes(nbytes):
+    """Set the first-bucket size used by FusedReducers created after this call.
+
+    Unlike ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` this really is used, by the initial
+    layout and by every rebuild, until the reducer's own ``first_bucket_bytes`` is set.
+    """
+    global _default_first_bucket_bytes
+    _default_first_bucket_bytes = check_bytes("default first_bucket_bytes", nbytes)
+
+
+def get_default_first_bucket_bytes():
+    """The value set by set_default_first_bucket_bytes(), else the environment variable
+    FUSED_REDUCER_FIRST_BUCKET_BYTES, else 1 MiB."""
+    if _default_first_bucket_bytes is not None:
+        return _default_first_bucket_bytes
+    raw = os.environ.get(ENV_FIRST_BUCKET_BYTES)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_FIRST_BUCKET_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_FIRST_BUCKET_BYTES} must be a positive int number of bytes, "
+                         f"got {raw!r}") from None
+    return check_bytes(ENV_FIRST_BUCKET_BYTES, value)
