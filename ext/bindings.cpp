@@ -82,6 +82,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bucket_params", &Reducer::bucket_params)
       .def("stats", &stats_dict);
 
+  // The reducer's transport on its own, for the bandwidth benchmark: the same code path a
+  // bucket takes, on a flat buffer the caller owns.
+  py::class_<fused_reducer::PendingCollective>(m, "PendingCollective")
+      .def("wait",
+           [](fused_reducer::PendingCollective& pending, double timeout_seconds) {
+             pending.wait(std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+           },
+           py::arg("timeout_seconds") = 600.0, py::call_guard<py::gil_scoped_release>());
+  py::class_<fused_reducer::Transport>(m, "Transport")
+      .def("allreduce_sum", &fused_reducer::Transport::allreduce_sum, py::arg("flat"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Start an in-place sum all-reduce of a contiguous tensor; wait() on the result.")
+      .def_property_readonly("name", &fused_reducer::Transport::name);
+  m.def("make_transport",
+        [](const c10::intrusive_ptr<c10d::ProcessGroup>& group) -> std::unique_ptr<fused_reducer::Transport> {
+          return std::make_unique<fused_reducer::ProcessGroupTransport>(group);
+        },
+        py::arg("group"));
+
   m.def("build_info", [] {
     py::dict info;
     info["cuda"] = false;
