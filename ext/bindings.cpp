@@ -4,8 +4,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bucket_assignment.h"
+#include "bucket_copy.h"
 #include "process_group_transport.h"
 #include "reducer.h"
+
+#ifdef FUSED_REDUCER_WITH_CUDA
+#include "nccl_transport.h"
+#endif
 
 namespace py = pybind11;
 using fused_reducer::Reducer;
@@ -16,6 +21,7 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       std::vector<std::string> names,
                                       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                       const std::string& control_device,
+                                      std::shared_ptr<fused_reducer::Transport> transport,
                                       int64_t first_bucket_bytes,
                                       int64_t bucket_cap_bytes,
                                       bool gradient_as_bucket_view,
@@ -27,7 +33,6 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
-  auto transport = std::make_unique<fused_reducer::ProcessGroupTransport>(group);
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
                                    at::Device(control_device), std::move(transport), options);
 }
@@ -39,6 +44,7 @@ py::dict stats_dict(const Reducer& reducer) {
   d["allreduces"] = s.allreduces;
   d["allreduce_bytes"] = s.allreduce_bytes;
   d["rebuilds"] = s.rebuilds;
+  d["copy_launches"] = s.copy_launches;
   d["first_bucket_bytes"] = s.first_bucket_bytes;
   d["bucket_cap_bytes"] = s.bucket_cap_bytes;
   d["buckets"] = s.buckets;
@@ -67,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init(&make_reducer), py::arg("params"), py::arg("names"), py::arg("group"),
-           py::arg("control_device"), py::arg("first_bucket_bytes"), py::arg("bucket_cap_bytes"),
+           py::arg("control_device"), py::arg("transport"), py::arg("first_bucket_bytes"), py::arg("bucket_cap_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
            py::arg("timeout_seconds"))
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
@@ -82,28 +88,56 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bucket_params", &Reducer::bucket_params)
       .def("stats", &stats_dict);
 
-  // The reducer's transport on its own, for the bandwidth benchmark: the same code path a
-  // bucket takes, on a flat buffer the caller owns.
+  // Transports: the reducer takes one; the bandwidth benchmark drives one alone on a flat
+  // buffer it owns (the same code path a bucket takes).
   py::class_<fused_reducer::PendingCollective>(m, "PendingCollective")
       .def("wait",
            [](fused_reducer::PendingCollective& pending, double timeout_seconds) {
              pending.wait(std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
            },
            py::arg("timeout_seconds") = 600.0, py::call_guard<py::gil_scoped_release>());
-  py::class_<fused_reducer::Transport>(m, "Transport")
+  py::class_<fused_reducer::Transport, std::shared_ptr<fused_reducer::Transport>>(m, "Transport")
       .def("allreduce_sum", &fused_reducer::Transport::allreduce_sum, py::arg("flat"),
            py::call_guard<py::gil_scoped_release>(),
            "Start an in-place sum all-reduce of a contiguous tensor; wait() on the result.")
       .def_property_readonly("name", &fused_reducer::Transport::name);
-  m.def("make_transport",
-        [](const c10::intrusive_ptr<c10d::ProcessGroup>& group) -> std::unique_ptr<fused_reducer::Transport> {
-          return std::make_unique<fused_reducer::ProcessGroupTransport>(group);
-        },
-        py::arg("group"));
+  py::class_<fused_reducer::ProcessGroupTransport, fused_reducer::Transport,
+             std::shared_ptr<fused_reducer::ProcessGroupTransport>>(m, "ProcessGroupTransport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"));
 
-  m.def("build_info", [] {
-    py::dict info;
-    info["cuda"] = false;
-    return info;
-  });
+  // Fused copy, exposed for the kernel tests and the copy benchmark.
+  m.def("scaled_copy",
+        [](const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts, double scale) {
+          TORCH_CHECK(srcs.size() == dsts.size(), "scaled_copy: one destination per source");
+          std::vector<fused_reducer::CopyJob> jobs;
+          for (size_t i = 0; i < srcs.size(); ++i) {
+            jobs.push_back({srcs[i], dsts[i]});
+          }
+          return fused_reducer::scaled_copy(jobs, scale);
+        },
+        py::arg("srcs"), py::arg("dsts"), py::arg("scale"),
+        "dst = src * scale for each pair (see Note [Bucket copies]); returns fused launches.");
+
+  py::dict info;
+#ifdef FUSED_REDUCER_WITH_CUDA
+  py::class_<fused_reducer::NcclTransport, fused_reducer::Transport,
+             std::shared_ptr<fused_reducer::NcclTransport>>(m, "NcclTransport")
+      .def(py::init([](const py::bytes& unique_id, int rank, int world_size, int device,
+                       double timeout_seconds) {
+             return std::make_shared<fused_reducer::NcclTransport>(
+                 std::string(unique_id), rank, world_size, device,
+                 std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
+           py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>());
+  m.def("nccl_unique_id", [] { return py::bytes(fused_reducer::nccl_unique_id()); });
+  info["cuda"] = true;
+  info["nccl_version"] = fused_reducer::nccl_version();
+  info["cuda_arch_list"] = std::string(FUSED_REDUCER_CUDA_ARCH_LIST);
+#else
+  info["cuda"] = false;
+  info["nccl_version"] = py::none();
+  info["cuda_arch_list"] = "";
+#endif
+  m.attr("BUILD_INFO") = info;
 }

@@ -1,12 +1,13 @@
 #include "reducer.h"
 
-#include <ATen/ScalarOps.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
 #include <map>
 #include <sstream>
+
+#include "bucket_copy.h"
 
 namespace fused_reducer {
 namespace {
@@ -36,7 +37,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
                  std::vector<std::string> names,
                  c10::intrusive_ptr<c10d::ProcessGroup> group,
                  at::Device control_device,
-                 std::unique_ptr<Transport> transport,
+                 std::shared_ptr<Transport> transport,
                  ReducerOptions options)
     : params_(std::move(params)),
       names_(std::move(names)),
@@ -143,37 +144,45 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
-// grads -> flat, scaled by 1/world_size so that the sum is the average.
+// grads -> flat, scaled by 1/world_size so that the sum is the average: one
+// fused copy per bucket. See Note [Bucket copies].
 void Reducer::pack_bucket(Bucket& bucket) {
-  const double scale = 1.0 / world_size_;
-  const auto scale_tensor = at::native::wrapped_scalar_tensor(scale);
-  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-    at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
-    at::Tensor& view = bucket.views[slot];
-    if (!grad.defined()) {
-      view.zero_();  // an unused parameter contributes nothing
-    } else if (grad.is_alias_of(view)) {
-      view.mul_(scale_tensor);  // gradient_as_bucket_view: already in place
-    } else {
-      at::mul_out(view, grad, scale_tensor);
-      if (options_.gradient_as_bucket_view) {
-        grad = view;
-      }
-    }
-  }
-}
-
-// flat -> param.grad (a no-op for gradients that are views of the bucket).
-void Reducer::unpack_bucket(Bucket& bucket) {
+  std::vector<CopyJob> jobs;
+  jobs.reserve(bucket.params.size());
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
     const at::Tensor& view = bucket.views[slot];
     if (!grad.defined()) {
-      grad = options_.gradient_as_bucket_view ? view : view.clone();
-    } else if (!grad.is_alias_of(view)) {
-      grad.copy_(view);
+      jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
+    } else {
+      jobs.push_back({grad, view});  // grad may already be `view` (gradient_as_bucket_view)
+      if (options_.gradient_as_bucket_view && !grad.is_alias_of(view)) {
+        grad = view;  // from now on autograd accumulates straight into the bucket
+      }
     }
   }
+  copy_launches_this_step_ += scaled_copy(jobs, 1.0 / world_size_);
+}
+
+// flat -> param.grad, for gradients that are not views of the bucket. Only the
+// parameters `keep(index)` accepts get a gradient (find_unused_parameters).
+template <typename Keep>
+void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
+  std::vector<CopyJob> jobs;
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    const int64_t index = bucket.params[slot];
+    if (!keep(index)) {
+      continue;  // no rank used it: leave its gradient untouched, like DDP
+    }
+    at::Tensor& grad = params_[index].mutable_grad();
+    const at::Tensor& view = bucket.views[slot];
+    if (!grad.defined()) {
+      grad = options_.gradient_as_bucket_view ? view : view.clone();
+    } else if (!grad.is_alias_of(view)) {
+      jobs.push_back({view, grad});
+    }
+  }
+  copy_launches_this_step_ += scaled_copy(jobs, 1.0);
 }
 
 // ---------------------------------------------------------------------------
@@ -220,39 +229,27 @@ void Reducer::finalize_backward() {
     auto pending = transport_->allreduce_sum(used);
     launched_this_step_ += 1;
     launched_bytes_this_step_ += used.numel() * used.element_size();
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      wait_for_bucket(b);
+    try {
+      pending->wait(options_.timeout);
+    } catch (const std::exception& e) {
+      wait_for_launched_quietly();
+      TORCH_CHECK(false, "FusedReducer: all-reduce of the used-parameter map (find_unused_parameters) over ",
+                  transport_->name(), " failed: ", e.what(), ". A peer rank may have died.");
     }
-    pending->wait(options_.timeout);
     globally_used = used.cpu();
   }
   TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
 
+  const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     wait_for_bucket(b);
-    if (!globally_used.defined()) {
-      unpack_bucket(buckets_[b]);
-      continue;
-    }
-    // Leave the gradients of parameters no rank used untouched, like DDP.
-    Bucket& bucket = buckets_[b];
-    const auto* used = globally_used.data_ptr<int32_t>();
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      if (used[bucket.params[slot]] == 0) {
-        continue;
-      }
-      at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
-      if (!grad.defined()) {
-        grad = options_.gradient_as_bucket_view ? bucket.views[slot] : bucket.views[slot].clone();
-      } else if (!grad.is_alias_of(bucket.views[slot])) {
-        grad.copy_(bucket.views[slot]);
-      }
-    }
+    unpack_bucket(buckets_[b], [used](int64_t index) { return used == nullptr || used[index] != 0; });
   }
 
   stats_.step += 1;
   stats_.allreduces = launched_this_step_;
   stats_.allreduce_bytes = launched_bytes_this_step_;
+  stats_.copy_launches = copy_launches_this_step_;
   last_ready_order_ = ready_order_;
   if (!rebuilt_after_first_step_) {
     // The first backward showed the real ready order: lay buckets out by it.
@@ -323,6 +320,7 @@ void Reducer::reset_iteration() {
   next_to_launch_ = 0;
   launched_this_step_ = 0;
   launched_bytes_this_step_ = 0;
+  copy_launches_this_step_ = 0;
   for (auto& bucket : buckets_) {
     bucket.pending = static_cast<int64_t>(bucket.params.size());
     bucket.collective.reset();

@@ -37,6 +37,7 @@ struct ReducerStats {
   int64_t allreduces = 0;       // collectives launched in the last completed step
   int64_t allreduce_bytes = 0;  // bytes they reduced
   int64_t rebuilds = 0;         // layout rebuilds after construction
+  int64_t copy_launches = 0;    // fused CUDA copy kernels in the last completed step
   int64_t first_bucket_bytes = 0;
   int64_t bucket_cap_bytes = 0;
   int64_t buckets = 0;
@@ -51,7 +52,7 @@ class Reducer {
           std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> group,
           at::Device control_device,
-          std::unique_ptr<Transport> transport,
+          std::shared_ptr<Transport> transport,
           ReducerOptions options);
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -92,7 +93,8 @@ class Reducer {
   void on_gradient_ready(int64_t index);
   void launch_ready_buckets();
   void pack_bucket(Bucket& bucket);
-  void unpack_bucket(Bucket& bucket);
+  template <typename Keep>
+  void unpack_bucket(Bucket& bucket, Keep keep);
   void finalize_backward();
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
@@ -107,7 +109,7 @@ class Reducer {
   std::vector<TensorInfo> infos_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device control_device_;
-  std::unique_ptr<Transport> transport_;
+  std::shared_ptr<Transport> transport_;
   ReducerOptions options_;
   int rank_;
   int world_size_;
@@ -134,6 +136,7 @@ class Reducer {
   size_t next_to_launch_ = 0;
   int64_t launched_this_step_ = 0;
   int64_t launched_bytes_this_step_ = 0;
+  int64_t copy_launches_this_step_ = 0;
   std::string deferred_error_;  // raised by the next prepare_forward
 
   // Layout state.

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .transport import make_transport, resolve_backend
 from .settings import check_bytes, get_default_first_bucket_bytes, megabytes_to_bytes
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -27,7 +28,7 @@ class FusedReducer(nn.Module):
 
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
-                 broadcast_buffers=True, timeout=timedelta(minutes=10)):
+                 broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10)):
         super().__init__()
         cap_bytes = megabytes_to_bytes("bucket_cap_mb", bucket_cap_mb)
         first_bytes = (get_default_first_bucket_bytes() if first_bucket_mb is None
@@ -48,14 +49,21 @@ class FusedReducer(nn.Module):
         _refuse_sparse_gradients(module)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
+                             "like DDP, each process must hold its replica on one device")
+        self.device = devices.pop()
+        self.backend = resolve_backend(backend, self.device)
         self._control_device = _control_device(self.process_group, params)
 
         _verify_same_model(self.process_group, self._param_names, params, self._control_device)
         self._buffers = [b for b in module.buffers()]
         _broadcast_from_rank0(self.process_group, params + self._buffers)
 
+        transport = make_transport(self.process_group, self.device, self.backend, timeout_s)
         self._reducer = _C.Reducer(
-            params, self._param_names, self.process_group, str(self._control_device),
+            params, self._param_names, self.process_group, str(self._control_device), transport,
             first_bytes, cap_bytes, gradient_as_bucket_view, find_unused_parameters, timeout_s)
 
     # -- the step ------------------------------------------------------------------------------

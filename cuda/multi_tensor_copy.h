@@ -1,0 +1,35 @@
+// Fused multi-tensor scaled copy: one kernel launch moves many gradients into
+// (or out of) a bucket's flat buffer.
+//
+// Torch-free on purpose (CUDA runtime only): it builds fast, and a reader can
+// test it alone. ext/ calls it through this header.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fused_reducer::cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+
+// dst[i] = src[i] * scale for i < numel. src == nullptr writes zeros;
+// src == dst scales in place. Any sizes and offsets: 16-byte vector accesses
+// where both pointers allow, scalar accesses elsewhere.
+struct CopySegment {
+  const void* src;
+  void* dst;
+  int64_t numel;
+};
+
+// Segments fitting one launch's kernel parameters (CUDA 12.1+ allows 32 KiB).
+constexpr int kMaxSegmentsPerLaunch = 800;
+
+// Copies every segment (all of `dtype`) in ceil(n / kMaxSegmentsPerLaunch)
+// launches on `stream`; throws std::runtime_error naming file:line and the
+// CUDA error if a launch fails. Returns the number of kernel launches.
+int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double scale,
+                cudaStream_t stream);
+
+}  // namespace fused_reducer::cuda
