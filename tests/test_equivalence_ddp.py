@@ -69,9 +69,20 @@ class MixedDtypes(nn.Module):
         return self.out(x)
 
 
-def make_model(kind):
-    torch.manual_seed(1234)
-    return {"mlp": MLP, "unused": WithUnused, "mixed": MixedDtypes}[kind]()
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 6)
+
+    def forward(self, x, rank=0, step=0):
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+def make_model(kind, seed=1234):
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "unused": WithUnused, "mixed": MixedDtypes, "bn": WithBatchNorm}[kind]()
 
 
 def batch(rank, step, micro=0):
@@ -108,6 +119,10 @@ def grads(module):
 
 def params(module):
     return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def buffers(module):
+    return {n: b.detach().clone().double() for n, b in module.named_buffers()}
 
 
 def float64_reference(kind, state, rank, step, micros, find_unused):
@@ -148,6 +163,10 @@ SCENARIOS = {
     "unused_params_no_sync": ("unused", dict(find_unused_parameters=True), {}, 3, "zeros"),
     "mixed_dtypes": ("mixed", dict(bucket_cap_mb=1e-3), {}, 1, "none"),
     "mixed_dtypes_one_bucket_each": ("mixed", dict(), {}, 1, "zeros"),
+    # Initial weights differ by rank: both wrappers must start from rank 0's.
+    "rank_dependent_init": ("mlp", dict(), {}, 1, "none"),
+    # BatchNorm running stats: broadcast from rank 0 before each forward, like DDP.
+    "buffers_broadcast": ("bn", dict(broadcast_buffers=True), {}, 1, "none"),
 }
 
 
@@ -163,13 +182,19 @@ def run_scenario(rank, world_size, name):
     import fused_reducer
 
     kind, common, fr_only, micros, zero = SCENARIOS[name]
-    ddp = DDP(make_model(kind), **common)
-    fr = fused_reducer.FusedReducer(make_model(kind), **common, **fr_only)
+    seed = 1234 + (rank if name == "rank_dependent_init" else 0)
+    ddp = DDP(make_model(kind, seed), **common)
+    fr = fused_reducer.FusedReducer(make_model(kind, seed), **common, **fr_only)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     opt_fr = torch.optim.SGD(fr.parameters(), lr=LR, momentum=0.9)
     report = {"grad_vs_ddp": [], "grad_vs_f64": [], "param_vs_ddp": [], "buckets": [],
-              "shared_storage": []}
+              "shared_storage": [], "buffer_vs_ddp": []}
     report["param_vs_ddp"].append(max_diff(params(ddp.module), params(fr.module)))
+    rank0 = [torch.cat([p.detach().flatten().double() for p in fr.module.parameters()])]
+    dist.broadcast(rank0[0], 0)
+    report["param_vs_rank0_after_wrap"] = max_diff(
+        {"all": rank0[0]}, {"all": torch.cat([p.detach().flatten().double()
+                                              for p in fr.module.parameters()])})
     for step in range(STEPS):
         set_to_none = {"none": True, "zeros": False, "alternate": step % 2 == 0}[zero]
         opt_ddp.zero_grad(set_to_none=set_to_none)
@@ -189,6 +214,7 @@ def run_scenario(rank, world_size, name):
         opt_ddp.step()
         opt_fr.step()
         report["param_vs_ddp"].append(max_diff(params(ddp.module), params(fr.module)))
+        report["buffer_vs_ddp"].append(max_diff(buffers(ddp.module), buffers(fr.module)))
     report["n_params"] = len(list(fr.parameters()))
     return report
 
@@ -221,7 +247,8 @@ def reports(outcomes, name):
 
 def assert_matches(outcomes, name):
     for rank, r in enumerate(reports(outcomes, name)):
-        for key in ("grad_vs_ddp", "grad_vs_f64", "param_vs_ddp"):
+        assert r["param_vs_rank0_after_wrap"] == 0.0, (name, rank)
+        for key in ("grad_vs_ddp", "grad_vs_f64", "param_vs_ddp", "buffer_vs_ddp"):
             for step, diff in enumerate(r[key]):
                 assert isinstance(diff, float) and diff <= TOL, (
                     f"{name}, rank {rank}, step {step}: {key} = {diff}")
@@ -280,3 +307,13 @@ def test_mixed_dtypes_get_separate_buckets_and_match_ddp(outcomes):
     assert_matches(outcomes, "mixed_dtypes_one_bucket_each")
     for r in reports(outcomes, "mixed_dtypes_one_bucket_each"):
         assert r["buckets"] == [2] * STEPS  # one float32 and one float64 bucket
+
+
+def test_initial_weights_differing_by_rank_start_from_rank0_and_match_ddp(outcomes):
+    assert_matches(outcomes, "rank_dependent_init")
+
+
+def test_batchnorm_buffers_broadcast_from_rank0_match_ddp(outcomes):
+    assert_matches(outcomes, "buffers_broadcast")
+    for r in reports(outcomes, "buffers_broadcast"):
+        assert len(r["buffer_vs_ddp"]) == STEPS

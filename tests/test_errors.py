@@ -1,0 +1,315 @@
+"""Bad input and faults: each a clear Python exception, on every rank, never a hang.
+
+Multi-rank checks run in spawned gloo jobs with timeouts (dist_utils), so a hang fails the test
+instead of stalling the suite. Checks that can share a job do (a spawn costs seconds here).
+"""
+import math
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fused_reducer
+from fused_reducer import FusedReducer
+from dist_utils import run_ranks, spawn_ranks
+
+ENV = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
+
+
+def small_model(out=3):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, out))
+
+
+def outcome(fn):
+    """(exception type name, message) of fn(), or ('ok', None)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "ok", None
+
+
+# -- no spawn needed -----------------------------------------------------------------------------
+
+def test_no_initialised_process_group_raises_runtime_error_naming_init_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FusedReducer(small_model())
+
+
+@pytest.mark.parametrize("value, exc", [
+    (0, ValueError), (-1, ValueError), (-(1 << 40), ValueError),
+    (1.5, TypeError), ("x", TypeError), (None, TypeError), (True, TypeError),
+])
+def test_set_default_first_bucket_bytes_rejects_bad_values_naming_the_setting(value, exc):
+    before = fused_reducer.get_default_first_bucket_bytes()
+    with pytest.raises(exc, match="first_bucket_bytes"):
+        fused_reducer.set_default_first_bucket_bytes(value)
+    assert fused_reducer.get_default_first_bucket_bytes() == before  # unchanged
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-3", "1.5", "16MiB"])
+def test_bad_env_var_raises_value_error_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(ValueError, match=ENV):
+        fused_reducer.get_default_first_bucket_bytes()
+
+
+# -- one job for the construction-time and step-time errors ----------------------------------------
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class WithSparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(4, 4)
+        self.lookup = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, idx):
+        return self.dense(self.lookup(idx))
+
+
+class Holder(nn.Module):
+    def __init__(self, *shapes, dtype=torch.float32):
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes)
+
+
+BAD_MB = [0, -1, -0.5, float("nan"), float("inf"), 1e-9, "abc", None, True]
+BAD_BYTES = [0, -1, 1.5, "x", None]
+
+
+def check_construction_arguments(rank, world_size):
+    out = {}
+    for arg in ("bucket_cap_mb", "first_bucket_mb"):
+        for bad in BAD_MB:
+            if arg == "first_bucket_mb" and bad is None:
+                continue  # None means "use the process-wide default"
+            out[(arg, repr(bad))] = outcome(lambda: FusedReducer(small_model(), **{arg: bad}))
+    for raw in ("abc", "0", "-3", "1.5"):
+        os.environ[ENV] = raw
+        try:
+            out[("env", raw)] = outcome(lambda: FusedReducer(small_model()))
+        finally:
+            del os.environ[ENV]
+    return out
+
+
+def check_setters(rank, world_size):
+    model = FusedReducer(small_model(), first_bucket_mb=1, bucket_cap_mb=2)
+    out = {}
+    for attr in ("first_bucket_bytes", "bucket_cap_bytes"):
+        for bad in BAD_BYTES:
+            out[(attr, repr(bad))] = outcome(lambda: setattr(model, attr, bad))
+    out["unchanged"] = (model.first_bucket_bytes, model.bucket_cap_bytes)
+    # The reducer still trains after refusing the values.
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    out["still_works"] = all(p.grad is not None for p in model.parameters())
+    return out
+
+
+def check_no_trainable_params(rank, world_size):
+    frozen = small_model().requires_grad_(False)
+    return {"frozen": outcome(lambda: FusedReducer(frozen)),
+            "parameterless": outcome(lambda: FusedReducer(nn.ReLU()))}
+
+
+def check_sparse(rank, world_size):
+    return outcome(lambda: FusedReducer(WithSparseEmbedding()))
+
+
+def check_shapes(rank, world_size):
+    last = rank == world_size - 1
+    return {
+        # layer '2' has 3 outputs on every rank but the last, 5 there
+        "shape": outcome(lambda: FusedReducer(small_model(out=5 if last else 3))),
+        # same numel, transposed
+        "transposed": outcome(lambda: FusedReducer(Holder((4,), (2, 3) if not last else (3, 2)))),
+        "dtype": outcome(lambda: FusedReducer(
+            Holder((4,), (2, 3), dtype=torch.float64 if last else torch.float32))),
+        "count": outcome(lambda: FusedReducer(Holder(*([(2,)] * (3 if last else 2))))),
+    }
+
+
+def check_unused_without_find_unused(rank, world_size):
+    model = FusedReducer(WithUnused())
+    x = torch.randn(2, 4)
+    first = outcome(lambda: model(x).sum().backward())
+    second = outcome(lambda: model(x))
+    return {"first_backward": first, "next_forward": second}
+
+
+def check_ready_twice(rank, world_size):
+    torch.manual_seed(0)
+    model = FusedReducer(small_model())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    twice = outcome(lambda: loss.backward())
+    # Afterwards a normal step still averages correctly (reference: plain all_reduce in float64).
+    model.zero_grad(set_to_none=True)
+    reference = small_model()
+    reference.load_state_dict(model.module.state_dict())
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    worst = 0.0
+    for p, q in zip(model.module.parameters(), reference.parameters()):
+        expected = q.grad.double()
+        dist.all_reduce(expected)
+        worst = max(worst, (p.grad.double() - expected / world_size).abs().max().item())
+    return {"twice": twice, "after": worst}
+
+
+CHECKS = [check_construction_arguments, check_setters, check_no_trainable_params, check_sparse,
+          check_shapes, check_ready_twice, check_unused_without_find_unused]
+
+
+def run_all(rank, world_size):
+    results = {}
+    for fn in CHECKS:
+        try:
+            results[fn.__name__] = ("ok", fn(rank, world_size))
+        except Exception as e:  # noqa: BLE001
+            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_ranks(run_all, 2, timeout=180)
+
+
+def per_rank(outcomes, check):
+    out = []
+    for rank, results in enumerate(outcomes):
+        status, payload = results[check]
+        assert status == "ok", f"rank {rank}: {payload}"
+        out.append(payload)
+    return out
+
+
+@pytest.mark.parametrize("arg", ["bucket_cap_mb", "first_bucket_mb"])
+def test_invalid_mb_sizes_raise_value_or_type_error_naming_the_argument_on_every_rank(outcomes,
+                                                                                      arg):
+    for rank, results in enumerate(per_rank(outcomes, "check_construction_arguments")):
+        for bad in BAD_MB:
+            if arg == "first_bucket_mb" and bad is None:
+                continue
+            kind, message = results[(arg, repr(bad))]
+            numeric = isinstance(bad, (int, float)) and not isinstance(bad, bool)
+            assert kind == ("ValueError" if numeric else "TypeError"), (rank, bad, kind, message)
+            assert arg in message, (rank, bad, message)
+
+
+def test_bad_env_var_at_construction_raises_value_error_naming_it_on_every_rank(outcomes):
+    for results in per_rank(outcomes, "check_construction_arguments"):
+        for raw in ("abc", "0", "-3", "1.5"):
+            kind, message = results[("env", raw)]
+            assert kind == "ValueError" and ENV in message, (raw, kind, message)
+
+
+@pytest.mark.parametrize("attr", ["first_bucket_bytes", "bucket_cap_bytes"])
+def test_setters_reject_bad_values_naming_the_setting_and_keep_the_old_value(outcomes, attr):
+    for results in per_rank(outcomes, "check_setters"):
+        for bad in BAD_BYTES:
+            kind, message = results[(attr, repr(bad))]
+            expected = "ValueError" if isinstance(bad, int) else "TypeError"
+            assert kind == expected and attr in message, (bad, kind, message)
+        assert results["unchanged"] == (1 << 20, 2 << 20)
+        assert results["still_works"]
+
+
+def test_module_without_trainable_parameters_raises_value_error_on_every_rank(outcomes):
+    for results in per_rank(outcomes, "check_no_trainable_params"):
+        for case in ("frozen", "parameterless"):
+            kind, message = results[case]
+            assert kind == "ValueError" and "trainable" in message, (case, kind, message)
+
+
+def test_sparse_embedding_is_refused_at_construction_naming_the_module(outcomes):
+    for kind, message in per_rank(outcomes, "check_sparse"):
+        assert kind == "ValueError", (kind, message)
+        assert "'lookup'" in message and "sparse" in message, message
+
+
+def test_shape_mismatch_across_ranks_names_first_parameter_and_both_shapes_on_every_rank(outcomes):
+    for kind, message in (r["shape"] for r in per_rank(outcomes, "check_shapes")):
+        assert kind == "ValueError", (kind, message)
+        assert "'2.weight'" in message and "(3, 6)" in message and "(5, 6)" in message, message
+    for kind, message in (r["transposed"] for r in per_rank(outcomes, "check_shapes")):
+        assert kind == "ValueError", (kind, message)
+        assert "'params.1'" in message and "(2, 3)" in message and "(3, 2)" in message, message
+
+
+def test_dtype_or_count_mismatch_across_ranks_raises_value_error_on_every_rank(outcomes):
+    for results in per_rank(outcomes, "check_shapes"):
+        kind, message = results["dtype"]
+        assert kind == "ValueError" and "'params.0'" in message, message
+        assert "float32" in message and "float64" in message, message
+        kind, message = results["count"]
+        assert kind == "ValueError" and "[2, 3]" in message, message
+
+
+def test_unused_parameter_without_find_unused_raises_at_next_forward_on_every_rank(outcomes):
+    for results in per_rank(outcomes, "check_unused_without_find_unused"):
+        assert results["first_backward"] == ("ok", None)
+        kind, message = results["next_forward"]
+        assert kind == "RuntimeError", (kind, message)
+        assert "'unused.weight'" in message and "'unused.bias'" in message, message
+        assert "'used.weight'" not in message, message
+        assert "find_unused_parameters" in message, message
+
+
+def test_gradient_marked_ready_twice_raises_naming_the_parameter_then_training_recovers(outcomes):
+    names = {n for n, _ in small_model().named_parameters()}
+    for results in per_rank(outcomes, "check_ready_twice"):
+        kind, message = results["twice"]
+        assert kind == "RuntimeError" and "marked ready twice" in message, (kind, message)
+        assert any(f"'{n}'" in message for n in names), message
+        assert results["after"] <= 1e-6
+
+
+# -- a peer dying mid-step -------------------------------------------------------------------------
+
+def die_before_backward(rank, world_size):
+    torch.manual_seed(0)
+    model = FusedReducer(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]),
+                         first_bucket_mb=0.001, bucket_cap_mb=0.001)
+    x = torch.randn(4, 32)
+    for step in range(4):
+        loss = model(x).sum()
+        if step == 2 and rank == 1:
+            os._exit(1)
+        start = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001
+            return step, type(e).__name__, str(e), time.monotonic() - start
+    return "no error"
+
+
+def test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket():
+    outcomes = spawn_ranks(die_before_backward, 2, timeout=90, reporting={0})
+    status, payload = outcomes[0]
+    assert status == "ok", payload
+    assert payload != "no error"
+    step, kind, message, elapsed = payload
+    assert step == 2
+    assert kind == "RuntimeError", message
+    assert "bucket" in message and "all-reduce" in message, message
+    assert elapsed < 60, elapsed
