@@ -1,0 +1,651 @@
+#!/usr/bin/env python
+"""Training-step time of FusedReducer against torch DDP on the same synthetic models, with the
+same bucket settings, measured interleaved in one run.
+
+    python bench/step_bench.py                                  # CPU: spawns 2 gloo ranks
+    python bench/step_bench.py --model large --sweep-first 1,4,16 --sweep-cap 25,100 \\
+        --json bench/out/sweep.json                             # + bench/out/sweep.png heatmap
+    torchrun --nproc-per-node 8 bench/step_bench.py --model large --hidden 2048
+
+Models (identical weights for both wrappers: same seed; same inputs per step index):
+  large       transformer-like blocks (LayerNorm, single-head causal attention qkv + proj, MLP
+              4x): 12 tensors and ~12*hidden^2 parameters per block; the defaults (4 blocks,
+              hidden 768) give 28.4M parameters in 50 tensors (113 MB of fp32 gradients).
+  many-small  hundreds of tiny residual Linear(hidden, hidden) layers; defaults 200 x 64: 400
+              tensors, 0.83M parameters (3.3 MB).
+
+One step = zero_grad + forward + loss + backward (no optimizer: the weights stay identical,
+so the gradients of the two wrappers can be compared, and the optimizer would cost both the
+same). A step's time is the slowest rank's wall time for it (device synchronised on GPU); the
+median and p90 are over the timed steps.
+
+Same settings: DDP gets its first bucket from torch.distributed._DEFAULT_FIRST_BUCKET_BYTES and
+its cap from torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB, both set just before it is
+constructed with bucket_cap_mb=None (DDP ignores the first-bucket default when bucket_cap_mb is
+passed); FusedReducer gets first_bucket_mb= and bucket_cap_mb=. The rows report both layouts
+(DDP's rebuilt_bucket_sizes, FusedReducer.bucket_sizes()) and whether they match.
+
+Interleaving: timed steps run in blocks of --block steps per wrapper, alternating wrappers and
+reversing the order every round (DDP,fused / fused,DDP / ...), so machine noise and drift hit
+both alike.
+
+Collectives per step are counted independently of FusedReducer's stats, with torch.profiler on
+one extra step per wrapper: on CPU the c10d dispatcher op events 'c10d::allreduce_' (every
+ProcessGroup.allreduce, from DDP's reducer or from ours, goes through it); on GPU the NCCL
+all-reduce kernels ('nccl...AllReduce...', which also catches a transport that calls NCCL
+directly). Bytes per step come from the backend's 'gloo:all_reduce'/'nccl:all_reduce' events
+(shape x dtype); where there are none (FusedReducer's own NCCL transport) from
+FusedReducer.stats()['allreduce_bytes'] (the row says which).
+
+Exposed communication time = time from the moment the last gradient of the step is accumulated
+(a post-accumulate-grad hook on every parameter records the time; on GPU a CUDA event) to
+backward() returning (on GPU: an event after backward on the current stream). It is the part of
+the reduction backward did not hide behind computation: the reducer's handling of the last
+gradient (copy into its bucket, launch), waiting for all outstanding all-reduces, and copying
+results back into .grad. Measured on --probe-steps extra steps, each started after a barrier
+(the hooks are not installed during the timed steps). Per step the minimum over ranks is kept:
+the rank whose computation ends last waits least, and that wait is the communication backward
+did not hide; the other ranks' longer waits add their load imbalance. The median over the probe
+steps is reported (per-rank samples are in the JSON). --baseline adds a
+wrapper-free model, whose exposed time (~0) shows the floor of the method and whose step time
+shows the pure compute cost.
+"""
+import argparse
+import contextlib
+import gc
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+MiB = 1024 * 1024
+MODELS = ("large", "many-small")
+MODEL_DEFAULTS = {"large": {"layers": 4, "hidden": 768}, "many-small": {"layers": 200, "hidden": 64}}
+
+
+# -- models -------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with single-head causal attention."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TransformerLike(nn.Module):
+    def __init__(self, layers, hidden):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class ManySmall(nn.Module):
+    def __init__(self, layers, hidden):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class ModelSpec:
+    def __init__(self, name, layers, hidden, batch, seq, seed):
+        self.name, self.layers, self.hidden = name, layers, hidden
+        self.batch, self.seq, self.seed = batch, seq, seed
+
+    def build(self, device):
+        torch.manual_seed(self.seed)
+        model = (TransformerLike if self.name == "large" else ManySmall)(self.layers, self.hidden)
+        return model.to(device)
+
+    def input(self, rank, index, device):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rank * 10_007 + index)
+        shape = (self.batch, self.seq, self.hidden) if self.name == "large" else (self.batch, self.hidden)
+        return torch.randn(shape, generator=g).to(device)
+
+    def describe(self, model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        shape = (f"{self.layers} blocks x hidden {self.hidden}, batch {self.batch} x seq {self.seq}"
+                 if self.name == "large" else
+                 f"{self.layers} layers x hidden {self.hidden}, batch {self.batch}")
+        return {"model": self.name, "layers": self.layers, "hidden": self.hidden,
+                "batch": self.batch, "seq": self.seq if self.name == "large" else None,
+                "params": numel, "tensors": len(params), "grad_bytes": grad_bytes, "shape": shape}
+
+
+# -- wrappers -----------------------------------------------------------------------------------
+def make_ddp(module, ctx, first_mb, cap_mb, grad_as_view):
+    """DDP with first bucket first_mb and cap cap_mb through DDP's own default mechanism."""
+    import torch.nn.parallel.distributed as ddp_module
+    saved_first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    saved_cap = ddp_module._DEFAULT_BUCKET_CAP_MB
+    try:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_mb * MiB)
+        ddp_module._DEFAULT_BUCKET_CAP_MB = cap_mb
+        return nn.parallel.DistributedDataParallel(
+            module, device_ids=[ctx.device.index] if ctx.is_cuda else None, bucket_cap_mb=None,
+            gradient_as_bucket_view=grad_as_view)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved_first
+        ddp_module._DEFAULT_BUCKET_CAP_MB = saved_cap
+
+
+def make_fused(module, first_mb, cap_mb, grad_as_view):
+    from fused_reducer import FusedReducer
+    return FusedReducer(module, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
+                        gradient_as_bucket_view=grad_as_view)
+
+
+def ddp_layout(ddp):
+    data = ddp._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    return [int(s) for s in str(sizes).replace(" ", "").split(",") if s]
+
+
+# -- one step -----------------------------------------------------------------------------------
+def train_step(ctx, model, x, grad_as_view):
+    model.zero_grad(set_to_none=not grad_as_view)
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+
+
+def timed_step(ctx, model, x, grad_as_view):
+    ctx.sync()
+    start = time.perf_counter()
+    train_step(ctx, model, x, grad_as_view)
+    ctx.sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+class LastGradClock:
+    """Records when the last parameter gradient of a backward is accumulated."""
+
+    def __init__(self, ctx, params):
+        self.ctx = ctx
+        self.last = None
+        if ctx.is_cuda:
+            self.last_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def _hook(self, _param):
+        if self.ctx.is_cuda:
+            self.last_event.record()
+        self.last = time.perf_counter()
+
+    def exposed_ms(self, model, x, grad_as_view):
+        model.zero_grad(set_to_none=not grad_as_view)
+        loss = model(x).float().pow(2).mean()
+        self.ctx.sync()
+        self.last = None
+        loss.backward()
+        end = time.perf_counter()
+        if self.ctx.is_cuda:
+            self.end_event.record()
+            self.ctx.sync()
+            return self.last_event.elapsed_time(self.end_event)
+        return (end - self.last) * 1e3
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+_ELEMENT_SIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8,
+                 "int": 4, "signed char": 1, "unsigned char": 1, "short int": 2, "bool": 1}
+
+
+def _profiled_events(prof):
+    """(name, input shapes, input dtypes, on_device) of every event of a finished profile.
+
+    Reads kineto's raw events (a few times faster than building FunctionEvents, which matters
+    for models with hundreds of parameters), falling back to the public prof.events()."""
+    try:
+        raw = prof.profiler.kineto_results.events()
+    except AttributeError:
+        raw = None
+    if raw is None:
+        for e in prof.events():
+            yield (e.name, e.input_shapes or [], getattr(e, "input_dtypes", None) or [],
+                   e.device_type != torch.autograd.DeviceType.CPU)
+        return
+    for e in raw:
+        yield (e.name(), e.shapes() or [], e.dtypes() or [],
+               e.device_type() != torch.autograd.DeviceType.CPU)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence the profiler's native log lines (kineto prints 'USDT: profiler_start' etc. on
+    fd 2 and has no switch for them); Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def count_collectives(ctx, model, x, grad_as_view):
+    """(count, bytes or None, how) of the all-reduces one step launches, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])
+    ctx.sync()
+    with _quiet_native_stderr(), profile(activities=activities, record_shapes=True) as prof:
+        train_step(ctx, model, x, grad_as_view)
+        ctx.sync()
+    dispatcher, kernels, nbytes, backend = 0, 0, 0, 0
+    for name, shapes, dtypes, on_device in _profiled_events(prof):
+        if on_device:
+            low = name.lower()
+            if low.startswith("nccl") and "allreduce" in low.replace("_", ""):
+                kernels += 1
+        elif name == "c10d::allreduce_":
+            dispatcher += 1
+        elif name.endswith(":all_reduce"):  # gloo:all_reduce, nccl:all_reduce: [[numel]], [dtype]
+            backend += 1
+            size = _ELEMENT_SIZE.get(str(dtypes[0])) if dtypes else None
+            if nbytes is None or not shapes or not shapes[0] or size is None:
+                nbytes = None
+            else:
+                nbytes += math.prod(shapes[0]) * size
+    if ctx.is_cuda:
+        count, how = kernels, "profiler: NCCL AllReduce kernels"
+    else:
+        count, how = dispatcher, "profiler: c10d::allreduce_ events"
+    if not backend:
+        nbytes = None
+    return count, nbytes, how
+
+
+# -- one configuration --------------------------------------------------------------------------
+def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
+    """Both wrappers (and the baseline) on one (model, first, cap): per-rank measurements."""
+    gv = args.grad_as_bucket_view
+    ddp = make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)
+    fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv)
+    variants = [("ddp", ddp), ("fused", fused)]
+    if args.baseline:
+        variants.append(("local", spec.build(ctx.device)))
+    index = 0
+
+    def next_input():
+        nonlocal index
+        index += 1
+        return spec.input(ctx.rank, index, ctx.device)
+
+    # Warm-up: both wrappers rebuild their buckets from the observed order after step 1.
+    for w in range(args.warmup):
+        x = next_input()
+        for _, model in variants:
+            train_step(ctx, model, x, gv)
+        progress(f"{label}: warm-up {w + 1}/{args.warmup}")
+
+    # Same weights, same input -> the averaged gradients must agree.
+    x = next_input()
+    train_step(ctx, ddp, x, gv)
+    train_step(ctx, fused, x, gv)
+    diff = 0.0
+    scale = 0.0
+    for a, b in zip(ddp.module.parameters(), fused.module.parameters()):
+        diff = max(diff, (a.grad - b.grad).abs().max().item())
+        scale = max(scale, a.grad.abs().max().item())
+
+    # Timed steps, interleaved in blocks, alternating order each round.
+    times = {name: [] for name, _ in variants}
+    done, rnd = 0, 0
+    while done < args.steps:
+        block = min(args.block, args.steps - done)
+        inputs = [next_input() for _ in range(block)]
+        order = variants if rnd % 2 == 0 else list(reversed(variants))
+        for name, model in order:
+            for x in inputs:
+                times[name].append(timed_step(ctx, model, x, gv))
+        done += block
+        rnd += 1
+        progress(f"{label}: timed step {done}/{args.steps}")
+
+    exposed, collectives = {}, {}
+    for name, model in variants:
+        clock = LastGradClock(ctx, [p for p in _module(model).parameters() if p.requires_grad])
+        try:
+            exposed[name] = []
+            for _ in range(args.probe_steps):
+                x = next_input()
+                dist.barrier()  # start aligned: less rank skew in what follows
+                exposed[name].append(clock.exposed_ms(model, x, gv))
+        finally:
+            clock.remove()
+        collectives[name] = count_collectives(ctx, model, next_input(), gv)
+    progress(f"{label}: probes done", force=True)
+
+    result = {"times": times, "exposed": exposed, "collectives": collectives,
+              "grad_max_abs_diff": diff, "grad_max_abs": scale,
+              "ddp_buckets": ddp_layout(ddp), "fused_buckets": fused.bucket_sizes(),
+              "fused_stats": fused.stats(),
+              "ddp_num_buckets_reduced": ddp._get_ddp_logging_data().get("num_buckets_reduced")}
+    del ddp, fused, variants
+    gc.collect()
+    return result
+
+
+def _module(model):
+    return getattr(model, "module", model)
+
+
+def summarise(per_rank, spec_info, first_mb, cap_mb, world):
+    """Rows for one configuration from every rank's measurements (rank 0)."""
+    names = list(per_rank[0]["times"])
+    rows = {}
+    for name in names:
+        steps = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+        exposed = [min(r["exposed"][name][i] for r in per_rank)
+                   for i in range(len(per_rank[0]["exposed"][name]))]
+        count, nbytes, how = per_rank[0]["collectives"][name]
+        bytes_source = "profiler: backend all_reduce events (shape x dtype)"
+        stats = per_rank[0]["fused_stats"]
+        if nbytes is None and name == "fused":
+            nbytes, bytes_source = stats["allreduce_bytes"], "FusedReducer.stats()"
+        elif nbytes is None and name == "ddp":
+            nbytes, bytes_source = sum(per_rank[0]["ddp_buckets"]) or None, "DDP bucket sizes"
+        elif name == "local":
+            bytes_source = "no communication"
+        row = {
+            "model": spec_info["model"], "first_bucket_mb": first_mb, "bucket_cap_mb": cap_mb,
+            "impl": name, "world_size": world, "steps": len(steps),
+            "median_ms": common.median(steps), "p90_ms": common.percentile(steps, 90),
+            "mean_ms": sum(steps) / len(steps), "min_ms": min(steps),
+            "collectives_per_step": count, "collectives_source": how,
+            "bytes_per_step": nbytes, "bytes_source": bytes_source,
+            "exposed_comm_ms": common.median(exposed) if exposed else None,
+            "step_times_ms": steps, "exposed_samples_ms": exposed,
+            "exposed_per_rank_ms": [r["exposed"][name] for r in per_rank],
+        }
+        if name == "ddp":
+            row["bucket_sizes"] = per_rank[0]["ddp_buckets"]
+            row["ddp_num_buckets_reduced"] = per_rank[0]["ddp_num_buckets_reduced"]
+        elif name == "fused":
+            row["bucket_sizes"] = per_rank[0]["fused_buckets"]
+            row["stats"] = stats
+        rows[name] = row
+    ddp = rows["ddp"]
+    for row in rows.values():
+        row["ratio_to_ddp"] = row["median_ms"] / ddp["median_ms"]
+        row["p90_ratio_to_ddp"] = row["p90_ms"] / ddp["p90_ms"]
+    check = {"grad_max_abs_diff": max(r["grad_max_abs_diff"] for r in per_rank),
+             "grad_max_abs": max(r["grad_max_abs"] for r in per_rank),
+             "layout_match": per_rank[0]["ddp_buckets"] == per_rank[0]["fused_buckets"]}
+    rows["fused"].update(check)
+    return list(rows.values())
+
+
+# -- output -------------------------------------------------------------------------------------
+TABLE_HEAD = (
+    "#  first     cap  impl     median      p90  colls    MB/step  exposed   ratio  buckets\n"
+    "#  (MiB)   (MiB)             (ms)     (ms)  /step    (1e6 B)     (ms)    /DDP")
+
+
+def format_row(row):
+    mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
+    buckets = len(row.get("bucket_sizes") or []) or "-"
+    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<6}"
+            f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}  {row['collectives_per_step']:5d}"
+            f"  {mb:>9}  {row['exposed_comm_ms']:7.2f}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
+
+
+def heatmap(path, rows, meta, firsts, caps, models):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = (("ddp", "DDP median step (ms)"), ("fused", "FusedReducer median step (ms)"),
+              ("ratio", "FusedReducer / DDP"))
+    fig, axes = plt.subplots(len(models), 3, figsize=(4.2 * 3 + 1, 3.2 * len(models) + 1),
+                             squeeze=False)
+    for mi, model in enumerate(models):
+        grids = {}
+        for key, _ in panels:
+            grid = np.full((len(firsts), len(caps)), np.nan)
+            for r in rows:
+                if r["model"] == model and r["impl"] == ("fused" if key == "ratio" else key):
+                    i, j = firsts.index(r["first_bucket_mb"]), caps.index(r["bucket_cap_mb"])
+                    grid[i, j] = r["ratio_to_ddp"] if key == "ratio" else r["median_ms"]
+            grids[key] = grid
+        times = np.concatenate([grids["ddp"].ravel(), grids["fused"].ravel()])
+        times = times[np.isfinite(times)]
+        ratios = grids["ratio"][np.isfinite(grids["ratio"])]
+        spread = max(0.05, float(np.max(np.abs(ratios - 1.0)))) if ratios.size else 0.05
+        for pi, (key, title) in enumerate(panels):
+            grid = grids[key]
+            if key == "ratio":  # green = FusedReducer faster, red = slower, 1.0 in the middle
+                cmap, vmin, vmax = plt.get_cmap("RdYlGn_r"), 1 - spread, 1 + spread
+            else:  # one scale for DDP and FusedReducer so the colours compare
+                cmap = plt.get_cmap("viridis")
+                vmin, vmax = (float(times.min()), float(times.max())) if times.size else (0, 1)
+                if vmax <= vmin:
+                    vmax = vmin + 1e-9
+            ax = axes[mi][pi]
+            im = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, origin="lower", aspect="auto")
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+            for i in range(len(firsts)):
+                for j in range(len(caps)):
+                    value = grid[i, j]
+                    if not np.isfinite(value):
+                        continue
+                    r, g, b, _ = cmap((value - vmin) / (vmax - vmin))
+                    ink = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+                    ax.text(j, i, f"{value:.3f}" if key == "ratio" else f"{value:.1f}",
+                            ha="center", va="center", fontsize=8, color=ink)
+            ax.set_xticks(range(len(caps)), [f"{c:g}" for c in caps])
+            ax.set_yticks(range(len(firsts)), [f"{f:g}" for f in firsts])
+            ax.set_xlabel("bucket cap (MiB)")
+            ax.set_ylabel("first bucket (MiB)")
+            ax.set_title(f"{model}: {title}", fontsize=9)
+    fig.suptitle(f"step time over (first bucket, cap) - {common.meta_label(meta)}", fontsize=9)
+    fig.tight_layout()
+    common.ensure_parent(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------------
+def worker(ctx, args):
+    firsts = args.sweep_first or [args.first_bucket_mb]
+    caps = args.sweep_cap or [args.bucket_cap_mb]
+    configs = [(f, c) for f in firsts for c in caps]
+    specs = []
+    for name in args.model:
+        d = MODEL_DEFAULTS[name]
+        specs.append(ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
+                               args.batch or (8 if name == "large" else 32), args.seq, args.seed))
+    meta = common.collect_meta(ctx, extra={
+        "benchmark": "step_bench", "steps": args.steps, "warmup": args.warmup,
+        "probe_steps": args.probe_steps, "block": args.block, "seed": args.seed,
+        "gradient_as_bucket_view": args.grad_as_bucket_view,
+        "step": "zero_grad + forward + loss + backward; slowest rank per step",
+        "exposed_comm": ("last post-accumulate-grad hook -> backward() returns; min over ranks per "
+                         "probe step, median over probe steps")})
+    p = lambda *a: common.print0(ctx, *a)  # noqa: E731
+    progress = common.Progress(ctx, enabled=not args.quiet)
+    p(f"# step_bench: DDP vs FusedReducer, {ctx.world_size} ranks {ctx.backend} on {ctx.device.type}, "
+      f"torch {meta['torch_version']}, {meta['hostname']} ({meta['usable_cpus']} usable cores, "
+      f"{meta['threads_per_rank']} threads/rank), {meta['date']}")
+    p(f"# {args.steps} timed steps per wrapper after {args.warmup} warm-up, interleaved in blocks of "
+      f"{args.block} (order reversed every round); {args.probe_steps} probe steps for exposed comm; "
+      f"seed {args.seed}")
+
+    rows, models_info = [], []
+    total = len(specs) * len(configs)
+    n = 0
+    for spec in specs:
+        info = spec.describe(spec.build("cpu"))
+        models_info.append(info)
+        p(f"#\n# model {spec.name}: {info['shape']}: {info['params'] / 1e6:.2f}M params in "
+          f"{info['tensors']} tensors, {info['grad_bytes'] / 1e6:.1f} MB of fp32 gradients")
+        p(TABLE_HEAD)
+        for first_mb, cap_mb in configs:
+            n += 1
+            label = f"[{n}/{total}] {spec.name} first {first_mb:g} MiB cap {cap_mb:g} MiB"
+            progress(f"{label}: start", force=True)
+            mine = run_config(ctx, args, spec, first_mb, cap_mb, progress, label)
+            per_rank = [None] * ctx.world_size
+            dist.all_gather_object(per_rank, mine)
+            if ctx.rank == 0:
+                config_rows = summarise(per_rank, info, first_mb, cap_mb, ctx.world_size)
+                rows.extend(config_rows)
+                for row in config_rows:
+                    p(format_row(row))
+                fused = next(r for r in config_rows if r["impl"] == "fused")
+                rel = fused["grad_max_abs_diff"] / max(fused["grad_max_abs"], 1e-30)
+                p(f"#   grads DDP vs FusedReducer: max abs diff {fused['grad_max_abs_diff']:.2e} "
+                  f"(relative {rel:.1e}{', MISMATCH' if rel > 1e-4 else ''}); layouts "
+                  + ("match" if fused["layout_match"] else
+                     f"DIFFER: DDP {next(r for r in config_rows if r['impl'] == 'ddp')['bucket_sizes']} "
+                     f"vs fused {fused['bucket_sizes']}"))
+
+    if ctx.rank == 0:
+        p("#")
+        for info in models_info:
+            for first_mb, cap_mb in configs:
+                fr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "fused"
+                      and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
+                if fr:
+                    p(f"# ratio FusedReducer/DDP median step, {info['model']} (first {first_mb:g}, "
+                      f"cap {cap_mb:g} MiB): {fr[0]['ratio_to_ddp']:.3f}")
+        settings = {k: v for k, v in vars(args).items() if k != "corrupt"}
+        if args.json:
+            common.write_json(args.json, {"meta": meta, "settings": settings, "models": models_info,
+                                          "grid": {"first_bucket_mb": firsts, "bucket_cap_mb": caps},
+                                          "rows": rows})
+            p(f"# wrote {args.json}")
+        plot_path = args.plot
+        if plot_path is None and args.json and (args.sweep_first or args.sweep_cap):
+            plot_path = os.path.splitext(args.json)[0] + ".png"
+        if plot_path:
+            heatmap(plot_path, rows, meta, firsts, caps, [s.name for s in specs])
+            p(f"# wrote {plot_path}")
+    return 0
+
+
+def _models(text):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in MODELS for n in names):
+        raise argparse.ArgumentTypeError(f"--model takes a comma list of {', '.join(MODELS)}; got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="step_bench.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", type=_models, default=list(MODELS),
+                   help="comma list of models to run: large, many-small (default both)")
+    m.add_argument("--layers", type=_positive_int, default=None,
+                   help="blocks (large) or Linear layers (many-small); default 4 / 200")
+    m.add_argument("--hidden", type=_positive_int, default=None,
+                   help="hidden size; default 768 (large) / 64 (many-small)")
+    m.add_argument("--batch", type=_positive_int, default=None,
+                   help="per-rank batch; default 8 (large) / 32 (many-small)")
+    m.add_argument("--seq", type=_positive_int, default=64,
+                   help="sequence length of the large model's input (default 64)")
+    b = parser.add_argument_group("buckets (the same for DDP and FusedReducer)")
+    b.add_argument("--first-bucket-mb", type=_positive_float, default=1.0,
+                   help="first bucket limit in MiB (default 1, DDP's default)")
+    b.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0,
+                   help="limit of every later bucket in MiB (default 25, DDP's default)")
+    b.add_argument("--sweep-first", type=common.parse_float_list, default=None, metavar="MiB,...",
+                   help="grid of first-bucket limits (replaces --first-bucket-mb), e.g. 1,4,16")
+    b.add_argument("--sweep-cap", type=common.parse_float_list, default=None, metavar="MiB,...",
+                   help="grid of bucket caps (replaces --bucket-cap-mb), e.g. 5,25,100; every "
+                        "(first, cap) pair of the two grids is a configuration")
+    b.add_argument("--grad-as-bucket-view", action="store_true",
+                   help="gradient_as_bucket_view=True for both wrappers")
+    r = parser.add_argument_group("measurement")
+    r.add_argument("--steps", type=_positive_int, default=20,
+                   help="timed steps per wrapper and configuration (default 20)")
+    r.add_argument("--warmup", type=_positive_int, default=3,
+                   help="untimed steps per wrapper first; >= 2 so both have rebuilt their buckets "
+                        "(default 3)")
+    r.add_argument("--block", type=_positive_int, default=1,
+                   help="consecutive steps of one wrapper before switching (default 1: alternate)")
+    r.add_argument("--probe-steps", type=_positive_int, default=3,
+                   help="extra steps per wrapper with the exposed-communication hooks (default 3)")
+    r.add_argument("--baseline", action="store_true",
+                   help="also time the bare model without any wrapper or communication ('local')")
+    r.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE",
+                   help="write {meta, settings, models, grid, rows} to FILE; one row per (model, "
+                        "first, cap, impl) with median_ms, p90_ms, collectives_per_step, "
+                        "bytes_per_step, exposed_comm_ms, ratio_to_ddp, bucket_sizes, step times")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="heatmap PNG of median step time (DDP, FusedReducer) and their ratio over "
+                        "(first bucket, cap); default with --sweep-* and --json: the JSON path "
+                        "with .png")
+    o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    common.add_launch_args(parser)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.warmup < 2:
+        parser.error("--warmup must be >= 2: DDP and FusedReducer rebuild their buckets after step 1")
+    return common.launch(worker, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
