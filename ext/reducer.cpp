@@ -194,6 +194,7 @@ void Reducer::finalize_backward() {
   expect_hooks_ = false;
   finished_since_forward_ = true;
   callback_queued_ = false;
+  ended_with_unready_ = false;
 
   std::vector<int64_t> unready;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -203,15 +204,15 @@ void Reducer::finalize_backward() {
   }
 
   if (!unready.empty() && !options_.find_unused_parameters) {
-    // Buckets holding these parameters can never complete. Finish what was
-    // launched (every rank launched the same prefix) and report at the next
-    // forward, as DDP does, naming the parameters.
-    wait_for_launched_quietly();
-    std::ostringstream msg;
-    msg << "FusedReducer: expected every parameter to receive a gradient in the previous "
-        << "backward, but " << unready.size() << " did not: " << describe_params(unready)
-        << ". Their gradients were not averaged across ranks. " << kFindUnusedHint;
-    deferred_error_ = msg.str();
+    // Either these parameters are unused, or this callback ended a nested
+    // backward (reentrant checkpointing: torch.utils.checkpoint(...,
+    // use_reentrant=True) runs its own backward inside the outer one) and the
+    // enclosing backward will still reach them. Stay armed: the next hook
+    // queues a callback on the enclosing backward. If no hook comes, the next
+    // forward reports the unused parameters, as DDP does.
+    expect_hooks_ = true;
+    finished_since_forward_ = false;
+    ended_with_unready_ = true;
     return;
   }
 
@@ -302,6 +303,24 @@ void Reducer::prepare_forward(bool will_sync) {
     reset_iteration();
     TORCH_CHECK(false, error);
   }
+  if (ended_with_unready_ && !callback_queued_) {
+    // The last backward ended before every parameter was ready. Buckets holding
+    // them never completed: finish what was launched (every rank launched the
+    // same prefix) and name the parameters.
+    wait_for_launched_quietly();
+    std::vector<int64_t> unready;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) {
+        unready.push_back(static_cast<int64_t>(i));
+      }
+    }
+    std::ostringstream msg;
+    msg << "FusedReducer: expected every parameter to receive a gradient in the previous "
+        << "backward, but " << unready.size() << " did not: " << describe_params(unready)
+        << ". Their gradients were not averaged across ranks. " << kFindUnusedHint;
+    reset_iteration();
+    TORCH_CHECK(false, msg.str());
+  }
   if (callback_queued_) {
     // A backward raised midway; drop what it left in flight.
     wait_for_launched_quietly();
@@ -327,6 +346,7 @@ void Reducer::reset_iteration() {
   }
   expect_hooks_ = false;
   finished_since_forward_ = false;
+  ended_with_unready_ = false;
 }
 
 // The last observed ready order, completed with never-ready parameters in

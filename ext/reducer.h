@@ -130,6 +130,7 @@ class Reducer {
   bool expect_hooks_ = false;             // armed by a synchronised forward
   bool finished_since_forward_ = false;   // finalize ran; another hook means a second backward
   bool callback_queued_ = false;
+  bool ended_with_unready_ = false;      // a backward ended with parameters not ready yet
   bool sync_enabled_ = true;
   std::vector<char> ready_;
   std::vector<int64_t> ready_order_;
