@@ -80,9 +80,23 @@ class WithBatchNorm(nn.Module):
         return self.b(torch.tanh(self.bn(self.a(x))))
 
 
+class ReentrantCheckpointed(MLP):
+    """Layers 1 and 3 (the last) under torch.utils.checkpoint(use_reentrant=True): their
+    gradients become ready inside nested backward passes, the last layer's first of all."""
+
+    def forward(self, x, rank=0, step=0):
+        from torch.utils.checkpoint import checkpoint
+        for i, layer in enumerate(self.layers):
+            x = checkpoint(layer, x, use_reentrant=True) if i in (1, 3) else layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
 def make_model(kind, seed=1234):
     torch.manual_seed(seed)
-    return {"mlp": MLP, "unused": WithUnused, "mixed": MixedDtypes, "bn": WithBatchNorm}[kind]()
+    return {"mlp": MLP, "unused": WithUnused, "mixed": MixedDtypes, "bn": WithBatchNorm,
+            "reentrant": ReentrantCheckpointed}[kind]()
 
 
 def batch(rank, step, micro=0):
@@ -167,6 +181,7 @@ SCENARIOS = {
     "rank_dependent_init": ("mlp", dict(), {}, 1, "none"),
     # BatchNorm running stats: broadcast from rank 0 before each forward, like DDP.
     "buffers_broadcast": ("bn", dict(broadcast_buffers=True), {}, 1, "none"),
+    "reentrant_checkpoint": ("reentrant", dict(bucket_cap_mb=1e-3), {}, 1, "none"),
 }
 
 
@@ -317,3 +332,7 @@ def test_batchnorm_buffers_broadcast_from_rank0_match_ddp(outcomes):
     assert_matches(outcomes, "buffers_broadcast")
     for r in reports(outcomes, "buffers_broadcast"):
         assert len(r["buffer_vs_ddp"]) == STEPS
+
+
+def test_reentrant_checkpointing_with_each_param_used_once_matches_ddp(outcomes):
+    assert_matches(outcomes, "reentrant_checkpoint")

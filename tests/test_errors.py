@@ -174,8 +174,30 @@ def check_ready_twice(rank, world_size):
     return {"twice": twice, "after": worst}
 
 
+class SharedLayerCheckpointedTwice(nn.Module):
+    """One layer applied twice, each time under a reentrant checkpoint: its gradient is
+    accumulated twice within one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        x = self.first(x)
+        x = checkpoint(self.shared, x, use_reentrant=True)
+        return checkpoint(self.shared, x, use_reentrant=True)
+
+
+def check_ready_twice_in_one_backward(rank, world_size):
+    model = FusedReducer(SharedLayerCheckpointedTwice())
+    return outcome(lambda: model(torch.randn(2, 4)).sum().backward())
+
+
 CHECKS = [check_construction_arguments, check_setters, check_no_trainable_params, check_sparse,
-          check_shapes, check_ready_twice, check_unused_without_find_unused]
+          check_shapes, check_ready_twice, check_ready_twice_in_one_backward,
+          check_unused_without_find_unused]
 
 
 def run_all(rank, world_size):
@@ -282,6 +304,12 @@ def test_gradient_marked_ready_twice_raises_naming_the_parameter_then_training_r
         assert kind == "RuntimeError" and "marked ready twice" in message, (kind, message)
         assert any(f"'{n}'" in message for n in names), message
         assert results["after"] <= 1e-6
+
+
+def test_gradient_marked_ready_twice_in_one_backward_raises_naming_the_parameter(outcomes):
+    for kind, message in per_rank(outcomes, "check_ready_twice_in_one_backward"):
+        assert kind == "RuntimeError" and "marked ready twice" in message, (kind, message)
+        assert "'shared.weight'" in message or "'shared.bias'" in message, message
 
 
 # -- a peer dying mid-step -------------------------------------------------------------------------
