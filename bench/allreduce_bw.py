@@ -25,7 +25,8 @@ Implementations (--impl):
   out-of-place (cupy); torch and fused reduce in place, so their out-of-place case copies the
   input into the output buffer and reduces that, and the copy is part of the timed operation.
 
-Exit status: 0 when every checked case had #wrong == 0, 1 otherwise.
+Exit status: 0 when every checked case had #wrong == 0, 1 otherwise, 2 when no requested
+implementation can run here.
 """
 import argparse
 import math
@@ -365,6 +366,10 @@ def worker(ctx, args):
     sizes = sizes_from(args)
     impls, skipped = make_impls(ctx, args)
     impl_names = [i.name for i in impls]
+    if not impls:
+        common.print0(ctx, "# no implementation left to run: "
+                      + "; ".join(f"{k} skipped ({v})" for k, v in skipped.items()))
+        return 2
     meta = common.collect_meta(ctx, extra={
         "benchmark": "allreduce_bw", "dtype": type_name, "op": "sum", "iters": args.iters,
         "warmup_iters": args.warmup_iters, "check": bool(args.check),

@@ -1,0 +1,271 @@
+"""The benchmarks: smoke runs at tiny sizes, JSON schema, bandwidth arithmetic, the #wrong check.
+
+The end-to-end runs start the benchmarks as a user would (python bench/...; they spawn their
+own gloo ranks on CPU), so they take a few seconds each; everything else runs in-process.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+
+import allreduce_bw  # noqa: E402
+import common  # noqa: E402
+import step_bench  # noqa: E402
+
+ROW_KEYS = {"impl", "bytes", "dtype", "inplace", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}
+META_KEYS = {"hostname", "cpu_count", "torch_version", "gpu", "world_size", "date", "backend"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def available_impls():
+    """What allreduce_bw can run on this machine (cupy needs 2 GPUs and cupy)."""
+    impls = ["fused", "torch"]
+    if torch.cuda.device_count() >= 2:
+        try:
+            import cupy  # noqa: F401
+            impls.append("cupy")
+        except ImportError:
+            pass
+    return impls
+
+
+def run_bench(script, *args, timeout=150):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in common.TORCHRUN_ENV:  # a test run under torchrun must still spawn its own ranks
+        env.pop(key, None)
+    return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def table_lines(stdout):
+    return [line.split() for line in stdout.splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def check_bandwidth_arithmetic(rows, world):
+    """busbw and algbw recomputed by hand from time_us and bytes."""
+    for r in rows:
+        seconds = r["time_us"] / 1e6
+        algbw = r["bytes"] / seconds / 1e9
+        busbw = algbw * 2 * (world - 1) / world
+        assert r["algbw_GBps"] == pytest.approx(algbw, rel=1e-9)
+        assert r["busbw_GBps"] == pytest.approx(busbw, rel=1e-9)
+
+
+def check_table_matches_json(stdout, rows):
+    lines = table_lines(stdout)
+    assert len(lines) * 2 == len(rows)
+    for cols in lines:
+        impl, nbytes, count = cols[0], int(cols[1]), int(cols[2])
+        assert cols[4:6] == ["sum", "-1"]
+        for inplace, (t, alg, bus, wrong) in ((False, cols[6:10]), (True, cols[10:14])):
+            row = next(r for r in rows if r["impl"] == impl and r["bytes"] == nbytes
+                       and r["inplace"] == inplace)
+            assert count * torch.empty((), dtype=allreduce_bw.DTYPES[row["dtype"]]).element_size() == nbytes
+            assert float(t) == pytest.approx(row["time_us"], abs=0.01 + row["time_us"] * 1e-6)
+            assert float(alg) == pytest.approx(row["algbw_GBps"], abs=0.006)
+            assert float(bus) == pytest.approx(row["busbw_GBps"], abs=0.006)
+            assert wrong == ("N/A" if row["wrong"] is None else str(row["wrong"]))
+
+
+# -- end to end -----------------------------------------------------------------------------------
+def test_allreduce_bw_smoke_json_plot(tmp_path):
+    impls = available_impls()
+    out_json, out_png = tmp_path / "bw.json", tmp_path / "bw.png"
+    res = run_bench("allreduce_bw.py", "-b", "8", "-e", "64K", "-f", "16", "-n", "3", "-w", "1",
+                    "--impl", ",".join(impls + ["cupy"]), "--json", str(out_json),
+                    "--plot", str(out_png), "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "#wrong" in out and "out-of-place" in out and "in-place" in out
+    assert "# Out of bounds values : 0 OK" in out
+    for impl in impls:
+        assert any(line.startswith("# Avg bus bandwidth    : ") and line.endswith(f"({impl})")
+                   for line in out.splitlines())
+
+    data = json.loads(out_json.read_text())
+    assert set(data) == {"meta", "rows"}
+    assert META_KEYS <= set(data["meta"])
+    meta = data["meta"]
+    assert meta["world_size"] == 2 and meta["backend"] == "gloo"
+    if "cupy" not in impls:
+        assert "cupy" in meta["skipped"]
+    rows = data["rows"]
+    sizes = [8, 128, 2048, 32768]
+    assert len(rows) == len(impls) * len(sizes) * 2
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert isinstance(r["impl"], str) and isinstance(r["bytes"], int)
+        assert isinstance(r["inplace"], bool) and r["dtype"] == "float"
+        assert r["time_us"] > 0 and r["wrong"] == 0
+    assert {(r["impl"], r["bytes"], r["inplace"]) for r in rows} == {
+        (i, s, ip) for i in impls for s in sizes for ip in (False, True)}
+    check_bandwidth_arithmetic(rows, 2)
+    check_table_matches_json(out, rows)
+    # '# Avg bus bandwidth' = mean of that impl's busbw cells
+    for impl in impls:
+        cells = [r["busbw_GBps"] for r in rows if r["impl"] == impl]
+        line = next(l for l in out.splitlines() if l.startswith("# Avg bus bandwidth") and f"({impl})" in l)
+        assert float(line.split(":")[1].split()[0]) == pytest.approx(sum(cells) / len(cells), abs=1e-4)
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_allreduce_bw_check_detects_corrupted_result(tmp_path):
+    """--corrupt (testing only) alters one element of fused's result on the last of 3 ranks: the
+    check must count exactly that element, torch's rows stay clean, and the run fails."""
+    out_json = tmp_path / "bad.json"
+    res = run_bench("allreduce_bw.py", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                    "-d", "half", "--nranks", "3", "--impl", "fused,torch", "--corrupt", "fused",
+                    "--json", str(out_json), "--quiet")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "FAILED" in res.stdout
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["world_size"] == 3
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert r["wrong"] == (1 if r["impl"] == "fused" else 0), r
+    check_bandwidth_arithmetic(rows, 3)  # factor 2(n-1)/n = 4/3 here
+    check_table_matches_json(res.stdout, rows)
+
+
+def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
+    out_json = tmp_path / "steps.json"
+    res = run_bench("step_bench.py", "--model", "large,many-small", "--layers", "2", "--hidden", "32",
+                    "--seq", "8", "--batch", "4", "--steps", "2", "--warmup", "2", "--probe-steps", "1",
+                    "--sweep-first", "0.001,1", "--sweep-cap", "25", "--json", str(out_json), "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "ratio FusedReducer/DDP median step, large" in out
+    assert "ratio FusedReducer/DDP median step, many-small" in out
+    assert "MISMATCH" not in out and "DIFFER" not in out
+
+    data = json.loads(out_json.read_text())
+    assert {"meta", "settings", "models", "grid", "rows"} <= set(data)
+    assert data["grid"] == {"first_bucket_mb": [0.001, 1.0], "bucket_cap_mb": [25.0]}
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2  # models x configs x wrappers
+    by_key = {(r["model"], r["first_bucket_mb"], r["impl"]): r for r in rows}
+    for model in ("large", "many-small"):
+        info = next(m for m in data["models"] if m["model"] == model)
+        for first in (0.001, 1.0):
+            ddp, fused = by_key[(model, first, "ddp")], by_key[(model, first, "fused")]
+            for r in (ddp, fused):
+                assert r["steps"] == 2 and len(r["step_times_ms"]) == 2
+                assert 0 < r["median_ms"] <= r["p90_ms"] + 1e-9
+                assert r["exposed_comm_ms"] >= 0
+                # counted by the profiler: one collective per bucket, every gradient byte once
+                assert r["collectives_source"].startswith("profiler")
+                assert r["collectives_per_step"] == len(r["bucket_sizes"])
+                assert r["bytes_per_step"] == info["grad_bytes"]
+            assert ddp["ratio_to_ddp"] == 1.0
+            assert fused["ratio_to_ddp"] == pytest.approx(fused["median_ms"] / ddp["median_ms"])
+            assert fused["layout_match"] and fused["grad_max_abs_diff"] <= 1e-6
+            # ...and the independent count agrees with FusedReducer's own stats
+            assert fused["stats"]["allreduces"] == fused["collectives_per_step"]
+        # a 1 KiB first bucket splits these models into >= 2 buckets; 1 MiB does not
+        assert by_key[(model, 0.001, "fused")]["collectives_per_step"] >= 2
+        assert by_key[(model, 1.0, "fused")]["collectives_per_step"] == 1
+    assert (tmp_path / "steps.png").read_bytes()[:8] == PNG_MAGIC  # heatmap next to the JSON
+
+
+# -- in-process -----------------------------------------------------------------------------------
+def test_parse_size():
+    cases = {"8": 8, "64K": 65536, "64k": 65536, "1M": 1 << 20, "2G": 2 << 30, "1.5M": 3 << 19,
+             "4MB": 4 << 20, "4MiB": 4 << 20, "512B": 512}
+    for text, value in cases.items():
+        assert common.parse_size(text) == value, text
+    for bad in ("", "x", "1X", "-4K", "K"):
+        with pytest.raises(Exception):
+            common.parse_size(bad)
+    assert common.format_size(65536) == "64K" and common.format_size(1000) == "1000"
+
+
+def test_bandwidth_hand_computation():
+    # 1 MB in 1000 us: algbw 1 GB/s; busbw x 2(n-1)/n
+    assert allreduce_bw.bandwidths(1_000_000, 1000.0, 2) == pytest.approx((1.0, 1.0))
+    assert allreduce_bw.bandwidths(1_000_000, 1000.0, 4) == pytest.approx((1.0, 1.5))
+    assert allreduce_bw.bandwidths(8 << 20, 2500.0, 8)[1] == pytest.approx(8 * 2 ** 20 / 2.5e-3 / 1e9 * 14 / 8)
+
+
+def test_sizes_like_nccl_tests():
+    args = allreduce_bw.build_parser().parse_args(["-b", "8", "-e", "128", "-f", "2"])
+    assert allreduce_bw.sizes_from(args) == [8, 16, 32, 64, 128]
+    args = allreduce_bw.build_parser().parse_args(["-b", "1K", "-e", "4K", "-f", "1", "-i", "1K"])
+    assert allreduce_bw.sizes_from(args) == [1024, 2048, 3072, 4096]
+
+
+@pytest.mark.parametrize("dtype", sorted(set(allreduce_bw.DTYPES.values()), key=str))
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_crafted_inputs_have_an_exact_sum(dtype, world):
+    """Rank inputs sum (in float64) to the expected values, which the dtype holds exactly; a
+    single changed element and a collective that did nothing are both detected."""
+    count = 5000
+    crafted = [allreduce_bw.CraftedData(dtype, r, world, "cpu") for r in range(world)]
+    assert crafted[0].exact
+    inputs = []
+    for c in crafted:
+        buf = torch.empty(count, dtype=dtype)
+        c.fill_input(buf)
+        inputs.append(buf)
+    assert len(set(inputs[0][:200].tolist())) > 1  # not a constant pattern
+    total = torch.stack([b.to(torch.float64) for b in inputs]).sum(0)
+    result = total.to(dtype)
+    assert torch.equal(result.to(torch.float64), total)  # exactly representable
+    assert crafted[0].count_wrong(result) == 0
+    allreduce_bw.fill_sentinel(result[count // 3:count // 3 + 1])  # a value no sum takes
+    assert crafted[0].count_wrong(result) == 1
+    assert crafted[0].count_wrong(inputs[0]) > count // 2  # no reduction at all
+
+
+def test_every_flag_is_documented():
+    for module in (allreduce_bw, step_bench):
+        parser = module.build_parser()
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.help == "==SUPPRESS==":
+                assert allreduce_bw.CORRUPT_FLAG in action.option_strings
+                continue
+            assert action.help, f"{module.__name__}: {action.option_strings} has no help"
+            for opt in action.option_strings:
+                assert opt in text
+    sb = step_bench.build_parser().format_help()
+    for flag in ("--model", "--layers", "--hidden", "--bucket-cap-mb", "--first-bucket-mb",
+                 "--sweep-first", "--sweep-cap", "--json", "--plot", "--seed", "--steps"):
+        assert flag in sb
+    ab = allreduce_bw.build_parser().format_help()
+    for flag in ("-b", "-e", "-f", "-n", "-w", "-d", "-c", "--impl", "--json", "--plot"):
+        assert flag in ab
+    assert "--corrupt" not in ab
+
+
+def test_torchrun_detection(monkeypatch):
+    for key in common.TORCHRUN_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert not common.launched_by_torchrun()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not common.launched_by_torchrun()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert common.launched_by_torchrun()
+
+
+def test_step_bench_models_match_their_description():
+    large = step_bench.ModelSpec("large", 4, 768, 8, 64, 0)
+    info = large.describe(large.build("cpu"))
+    assert 20e6 < info["params"] < 40e6 and 24 <= info["tensors"] <= 60
+    small = step_bench.ModelSpec("many-small", 200, 64, 32, 64, 0)
+    info = small.describe(small.build("cpu"))
+    assert info["tensors"] >= 200 and info["params"] < 2e6
+    # same seed -> same weights; inputs depend on (seed, rank, step)
+    a, b = small.build("cpu"), small.build("cpu")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert torch.equal(small.input(0, 3, "cpu"), small.input(0, 3, "cpu"))
+    assert not torch.equal(small.input(0, 3, "cpu"), small.input(1, 3, "cpu"))
