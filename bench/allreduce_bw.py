@@ -8,7 +8,8 @@ measured the way nccl-tests' all_reduce_perf measures it.
 Method (as all_reduce_perf):
   * for each size from -b to -e (times -f, or plus -i when -f is 1), for each implementation,
     out-of-place then in-place: -w warm-up operations, then -n timed operations back to back;
-    time = wall time of the -n operations / n, averaged over ranks;
+    time = wall time of the -n operations / n, averaged over ranks (with --trials T > 1: T
+    such loops, implementations alternating, and the median loop is reported);
   * algbw = bytes / time (GB = 1e9 bytes); busbw = algbw * 2(n-1)/n for n ranks;
   * -c 1: after timing, each case runs once more on crafted inputs whose sum over ranks is
     exactly representable in the dtype (rank r, element i holds a small integer derived from i
@@ -372,9 +373,10 @@ def worker(ctx, args):
         return 2
     meta = common.collect_meta(ctx, extra={
         "benchmark": "allreduce_bw", "dtype": type_name, "op": "sum", "iters": args.iters,
-        "warmup_iters": args.warmup_iters, "check": bool(args.check),
+        "warmup_iters": args.warmup_iters, "trials": args.trials, "check": bool(args.check),
         "impls": {i.name: i.describe() for i in impls}, "skipped": skipped,
-        "time": "wall time of iters back-to-back operations / iters, mean over ranks",
+        "time": ("wall time of iters back-to-back operations / iters, mean over ranks; median "
+                 "over trials"),
         "busbw_factor": bus_factor(ctx.world_size)})
     corrupt = set(args.corrupt or [])
 
@@ -383,7 +385,8 @@ def worker(ctx, args):
     p(f"# nRanks {ctx.world_size} backend {ctx.backend} device {ctx.device.type} "
       f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: "
       + (f"{args.stepfactor:g}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)")
-      + f" warmup iters: {args.warmup_iters} iters: {args.iters} validation: {args.check}")
+      + f" warmup iters: {args.warmup_iters} iters: {args.iters} trials: {args.trials}"
+      f" validation: {args.check}")
     p(f"# torch {meta['torch_version']} on {meta['hostname']} ({meta['usable_cpus']} usable cores, "
       f"{meta['threads_per_rank']} threads/rank), {meta['date']}")
     p("# impls: " + ", ".join(i.describe() for i in impls)
@@ -412,13 +415,21 @@ def worker(ctx, args):
             data.fill_input(send)
         else:
             send.fill_(1)
+        # Timing: --trials rounds, the impl order reversed every round; median per case.
+        times = {(impl.name, inplace): [] for impl in impls for inplace in (False, True)}
+        for trial in range(args.trials):
+            for impl in (impls if trial % 2 == 0 else list(reversed(impls))):
+                for inplace in (False, True):
+                    progress(f"{impl.name} {common.format_size(nbytes)} "
+                             f"{'in' if inplace else 'out-of'}-place, trial {trial + 1}/{args.trials}")
+                    if inplace:
+                        recv.copy_(send)
+                    times[(impl.name, inplace)].append(
+                        time_case(ctx, impl, send, recv, inplace, args.warmup_iters, args.iters))
         for impl in impls:
             cells = {}
             for inplace in (False, True):
-                progress(f"{impl.name} {common.format_size(nbytes)} {'in' if inplace else 'out-of'}-place")
-                if inplace:
-                    recv.copy_(send)
-                us = time_case(ctx, impl, send, recv, inplace, args.warmup_iters, args.iters)
+                us = common.median(times[(impl.name, inplace)])
                 wrong = (check_case(ctx, impl, data, send, recv, inplace, impl.name in corrupt)
                          if args.check else None)
                 algbw, busbw = bandwidths(nbytes, us, ctx.world_size)
@@ -476,6 +487,10 @@ def build_parser():
                         help="timed operations per case (default 20)")
     parser.add_argument("-w", "--warmup-iters", type=int, default=5,
                         help="untimed operations before each timed loop (default 5)")
+    parser.add_argument("--trials", type=int, default=1,
+                        help="repeat each timed loop this many times, alternating implementations, "
+                             "and report the median loop (default 1, as all_reduce_perf; use 3-5 "
+                             "on a shared machine)")
     parser.add_argument("-d", "--dtype", type=_dtype, default=torch.float32,
                         help="element type: float, half, bfloat16, double, int8, uint8, int32, "
                              "int64 (default float)")
@@ -500,8 +515,8 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.iters < 1 or args.warmup_iters < 0:
-        raise SystemExit("-n must be >= 1 and -w >= 0")
+    if args.iters < 1 or args.warmup_iters < 0 or args.trials < 1:
+        raise SystemExit("-n and --trials must be >= 1, -w >= 0")
     return common.launch(worker, args)
 
 
