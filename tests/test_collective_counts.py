@@ -48,6 +48,7 @@ def train(model, rank, steps, report):
         if hasattr(model, "stats"):
             stats = model.stats()
             report.setdefault("stats", []).append(stats["allreduces"])
+            report.setdefault("bytes", []).append(stats["allreduce_bytes"])
             report.setdefault("rebuilds", []).append(stats["rebuilds"])
             report.setdefault("sizes", []).append(model.bucket_sizes())
             report.setdefault("first", []).append((model.first_bucket_bytes,
@@ -166,6 +167,7 @@ def reports(outcomes, name):
 
 def check_stats_agree(report):
     assert report["stats"] == report["profiled"], "stats()['allreduces'] vs profiler count"
+    assert report["bytes"] == [GRAD_BYTES] * len(report["bytes"]), "stats()['allreduce_bytes']"
 
 
 def test_profiler_names_c10d_allreduce_for_plain_all_reduce_and_ddp(outcomes):

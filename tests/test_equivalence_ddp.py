@@ -93,10 +93,16 @@ class ReentrantCheckpointed(MLP):
         return x
 
 
+def with_frozen_first_layer():
+    model = MLP()
+    model.layers[0].requires_grad_(False)
+    return model
+
+
 def make_model(kind, seed=1234):
     torch.manual_seed(seed)
     return {"mlp": MLP, "unused": WithUnused, "mixed": MixedDtypes, "bn": WithBatchNorm,
-            "reentrant": ReentrantCheckpointed}[kind]()
+            "reentrant": ReentrantCheckpointed, "frozen": with_frozen_first_layer}[kind]()
 
 
 def batch(rank, step, micro=0):
@@ -182,6 +188,8 @@ SCENARIOS = {
     # BatchNorm running stats: broadcast from rank 0 before each forward, like DDP.
     "buffers_broadcast": ("bn", dict(broadcast_buffers=True), {}, 1, "none"),
     "reentrant_checkpoint": ("reentrant", dict(bucket_cap_mb=1e-3), {}, 1, "none"),
+    # requires_grad=False parameters are left alone (grad stays None), like DDP.
+    "frozen_layer": ("frozen", dict(bucket_cap_mb=1e-3), {}, 1, "none"),
 }
 
 
@@ -336,3 +344,7 @@ def test_batchnorm_buffers_broadcast_from_rank0_match_ddp(outcomes):
 
 def test_reentrant_checkpointing_with_each_param_used_once_matches_ddp(outcomes):
     assert_matches(outcomes, "reentrant_checkpoint")
+
+
+def test_frozen_parameters_are_skipped_and_the_rest_matches_ddp(outcomes):
+    assert_matches(outcomes, "frozen_layer")  # includes: frozen grads are None as in DDP
