@@ -44,8 +44,9 @@ def bucketing_problems(draw):
     # Mostly small sizes so that several parameters share buckets, sometimes huge ones, some 0.
     size = st.one_of(st.integers(0, 64), st.integers(0, 4096), st.integers(1, 1 << 40))
     sizes = draw(st.lists(size, min_size=n, max_size=n))
-    n_groups = draw(st.integers(min_value=1, max_value=4))
-    groups = draw(st.lists(st.integers(0, n_groups - 1), min_size=n, max_size=n))
+    # Group labels are arbitrary integers (the reducer numbers (dtype, device) pairs).
+    labels = draw(st.lists(st.integers(-(1 << 62), 1 << 62), min_size=1, max_size=4, unique=True))
+    groups = draw(st.lists(st.sampled_from(labels), min_size=n, max_size=n))
     order = draw(st.permutations(list(range(n))))
     limit = st.one_of(st.integers(1, 128), st.integers(1, 10_000), st.integers(1, 1 << 50))
     first = draw(limit)
