@@ -10,9 +10,10 @@ same bucket settings, measured interleaved in one run.
 Models (identical weights for both wrappers: same seed; same inputs per step index):
   large       transformer-like blocks (LayerNorm, single-head causal attention qkv + proj, MLP
               4x): 12 tensors and ~12*hidden^2 parameters per block; the defaults (4 blocks,
-              hidden 768) give 28.4M parameters in 50 tensors (113 MB of fp32 gradients).
-  many-small  hundreds of tiny residual Linear(hidden, hidden) layers; defaults 200 x 64: 400
-              tensors, 0.83M parameters (3.3 MB).
+              hidden 768, batch 2 x seq 16) give 28.4M parameters in 50 tensors (113 MB of
+              fp32 gradients).
+  many-small  hundreds of tiny residual Linear(hidden, hidden) layers; defaults 200 x 64, batch
+              32: 400 tensors, 0.83M parameters (3.3 MB).
 
 One step = zero_grad + forward + loss + backward (no optimizer: the weights stay identical,
 so the gradients of the two wrappers can be compared, and the optimizer would cost both the
@@ -46,9 +47,8 @@ results back into .grad. Measured on --probe-steps extra steps, each started aft
 (the hooks are not installed during the timed steps). Per step the minimum over ranks is kept:
 the rank whose computation ends last waits least, and that wait is the communication backward
 did not hide; the other ranks' longer waits add their load imbalance. The median over the probe
-steps is reported (per-rank samples are in the JSON). --baseline adds a
-wrapper-free model, whose exposed time (~0) shows the floor of the method and whose step time
-shows the pure compute cost.
+steps is reported (per-rank samples are in the JSON). --baseline adds a wrapper-free model,
+whose exposed time (~0) shows the floor of the method and whose step time the pure compute.
 """
 import argparse
 import contextlib
@@ -68,7 +68,8 @@ import common  # noqa: E402
 
 MiB = 1024 * 1024
 MODELS = ("large", "many-small")
-MODEL_DEFAULTS = {"large": {"layers": 4, "hidden": 768}, "many-small": {"layers": 200, "hidden": 64}}
+MODEL_DEFAULTS = {"large": {"layers": 4, "hidden": 768, "batch": 2, "seq": 16},
+                  "many-small": {"layers": 200, "hidden": 64, "batch": 32, "seq": None}}
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -489,7 +490,7 @@ def worker(ctx, args):
     for name in args.model:
         d = MODEL_DEFAULTS[name]
         specs.append(ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
-                               args.batch or (8 if name == "large" else 32), args.seq, args.seed))
+                               args.batch or d["batch"], args.seq or d["seq"], args.seed))
     meta = common.collect_meta(ctx, extra={
         "benchmark": "step_bench", "steps": args.steps, "warmup": args.warmup,
         "probe_steps": args.probe_steps, "block": args.block, "seed": args.seed,
@@ -597,9 +598,11 @@ def build_parser():
     m.add_argument("--hidden", type=_positive_int, default=None,
                    help="hidden size; default 768 (large) / 64 (many-small)")
     m.add_argument("--batch", type=_positive_int, default=None,
-                   help="per-rank batch; default 8 (large) / 32 (many-small)")
-    m.add_argument("--seq", type=_positive_int, default=64,
-                   help="sequence length of the large model's input (default 64)")
+                   help="per-rank batch; default 2 (large) / 32 (many-small)")
+    m.add_argument("--seq", type=_positive_int, default=None,
+                   help="sequence length of the large model's input (default 16; the small "
+                        "default keeps a CPU step communication-heavy, ~0.3 s of compute on one "
+                        "core, so the reducers' differences show; raise it on GPUs)")
     b = parser.add_argument_group("buckets (the same for DDP and FusedReducer)")
     b.add_argument("--first-bucket-mb", type=_positive_float, default=1.0,
                    help="first bucket limit in MiB (default 1, DDP's default)")

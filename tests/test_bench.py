@@ -122,8 +122,8 @@ def test_allreduce_bw_check_detects_corrupted_result(tmp_path):
     check must count exactly that element, torch's rows stay clean, and the run fails."""
     out_json = tmp_path / "bad.json"
     res = run_bench("allreduce_bw.py", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
-                    "-d", "half", "--nranks", "3", "--trials", "2", "--impl", "fused,torch", "--corrupt", "fused",
-                    "--json", str(out_json), "--quiet")
+                    "-d", "half", "--nranks", "3", "--trials", "2", "--impl", "fused,torch",
+                    "--corrupt", "fused", "--json", str(out_json), "--quiet")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "FAILED" in res.stdout
     data = json.loads(out_json.read_text())
