@@ -102,11 +102,11 @@ def modulus_for(dtype, world):
 class CraftedData:
     """Rank r's input and the exact expected sum, for one dtype and world size."""
 
-    def __init__(self, dtype, rank, world, device):
+    def __init__(self, dtype, rank, world, device, period=PATTERN_PERIOD):
         self.dtype, self.device = dtype, device
         self.modulus = modulus_for(dtype, world)
         self.exact = self.modulus * world <= EXACT_LIMIT[dtype]
-        self.period = PATTERN_PERIOD
+        self.period = period
         self.mine = _pattern(rank, self.period, self.modulus).to(dtype).to(device)
         total = sum(_pattern(r, self.period, self.modulus) for r in range(world))
         self.expected_period = total.to(dtype).to(device)

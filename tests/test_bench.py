@@ -121,7 +121,7 @@ def test_allreduce_bw_check_detects_corrupted_result(tmp_path):
     """--corrupt (testing only) alters one element of fused's result on the last of 3 ranks: the
     check must count exactly that element, torch's rows stay clean, and the run fails."""
     out_json = tmp_path / "bad.json"
-    res = run_bench("allreduce_bw.py", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+    res = run_bench("allreduce_bw.py", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1",
                     "-d", "half", "--nranks", "3", "--trials", "2", "--impl", "fused,torch",
                     "--corrupt", "fused", "--json", str(out_json), "--quiet")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -129,7 +129,7 @@ def test_allreduce_bw_check_detects_corrupted_result(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["meta"]["world_size"] == 3
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 2
+    assert len(rows) == 2 * 2  # impls x (out-of-place, in-place)
     for r in rows:
         assert r["wrong"] == (1 if r["impl"] == "fused" else 0), r
     check_bandwidth_arithmetic(rows, 3)  # factor 2(n-1)/n = 4/3 here
@@ -207,8 +207,8 @@ def test_sizes_like_nccl_tests():
 def test_crafted_inputs_have_an_exact_sum(dtype, world):
     """Rank inputs sum (in float64) to the expected values, which the dtype holds exactly; a
     single changed element and a collective that did nothing are both detected."""
-    count = 5000
-    crafted = [allreduce_bw.CraftedData(dtype, r, world, "cpu") for r in range(world)]
+    count = 5000  # > period: the tiling is exercised too
+    crafted = [allreduce_bw.CraftedData(dtype, r, world, "cpu", period=997) for r in range(world)]
     assert crafted[0].exact
     inputs = []
     for c in crafted:
