@@ -513,7 +513,7 @@ def worker(ctx, args):
     for spec in specs:
         info = spec.describe(spec.build("cpu"))
         models_info.append(info)
-        p(f"#\n# model {spec.name}: {info['shape']}: {info['params'] / 1e6:.2f}M params in "
+        p(f"#\n# model {spec.name}: {info['shape']}: {info['params'] / 1e6:.3g}M params in "
           f"{info['tensors']} tensors, {info['grad_bytes'] / 1e6:.1f} MB of fp32 gradients")
         p(TABLE_HEAD)
         for first_mb, cap_mb in configs:
