@@ -1,0 +1,92 @@
+"""Bucket copy bandwidth on one GPU: FusedReducer's fused multi-tensor copy (one launch per bucket)
+against a per-tensor torch.Tensor.copy_ loop (DDP's way: one launch per parameter) and against one
+large device-to-device copy of the same bytes (the ceiling).
+
+    python bench/copy_bench.py [--tensors 64] [--sizes 1M,16M,64M,256M] [--iters 50] [--json F]
+
+Bandwidth counts bytes read + bytes written, timed with CUDA events over --iters back-to-back
+copies after --warmup; the median of 5 repeats is reported. Needs a GPU and a CUDA build.
+"""
+import argparse
+import json
+import statistics
+
+import torch
+
+import fused_reducer
+from fused_reducer import _C
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def time_ms(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M,256M", help="bucket sizes in bytes (K/M/G suffixes)")
+    ap.add_argument("--tensors", type=int, default=64, help="gradients per bucket (sizes vary +-50%%)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    ap.add_argument("--iters", type=int, default=50, help="timed copies per sample")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed copies first")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not fused_reducer.build_info()["cuda"]:
+        raise SystemExit("copy_bench needs a CUDA GPU and a CUDA build of fused_reducer")
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}  dtype {args.dtype}  {args.tensors} tensors per bucket")
+    print(f"# {'bucket':>10} {'fused GB/s':>11} {'copy_ GB/s':>11} {'D2D GB/s':>10} {'fused/D2D':>10}")
+    for total in [parse_size(s) for s in args.sizes.split(",")]:
+        weights = torch.rand(args.tensors, generator=g) + 0.5
+        numels = (weights / weights.sum() * total / itemsize).long().clamp(min=1).tolist()
+        srcs = [torch.randn(n, device="cuda").to(dtype) for n in numels]
+        flat = torch.empty(sum(numels), device="cuda", dtype=dtype)
+        dsts = list(flat.split(numels))
+        big_src = torch.randn(sum(numels), device="cuda").to(dtype)
+        moved = 2 * flat.numel() * itemsize  # read + write
+
+        def fused():
+            _C.scaled_copy(srcs, dsts, 0.5)
+
+        def per_tensor():
+            for s, d in zip(srcs, dsts):
+                d.copy_(s)
+
+        def d2d():
+            flat.copy_(big_src)
+
+        times = {name: time_ms(fn, args.iters, args.warmup)
+                 for name, fn in [("fused", fused), ("copy_", per_tensor), ("d2d", d2d)]}
+        gbps = {k: moved / (v * 1e-3) / 1e9 for k, v in times.items()}
+        rows.append({"bytes": flat.numel() * itemsize, "tensors": args.tensors, "dtype": args.dtype,
+                     **{f"{k}_GBps": v for k, v in gbps.items()},
+                     "fused_over_d2d": gbps["fused"] / gbps["d2d"]})
+        print(f"  {rows[-1]['bytes']:>10} {gbps['fused']:>11.1f} {gbps['copy_']:>11.1f} "
+              f"{gbps['d2d']:>10.1f} {gbps['fused'] / gbps['d2d']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

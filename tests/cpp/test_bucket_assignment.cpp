@@ -1,0 +1,58 @@
+// C++ unit tests of the bucket assignment rule (Note [Bucket assignment]).
+// Hand-computed expectations; the property-based tests are in tests/test_bucket_assignment.py.
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+
+#include "bucket_assignment.h"
+
+using fused_reducer::assign_buckets;
+using Buckets = std::vector<std::vector<int64_t>>;
+
+static int failures = 0;
+
+static void expect(bool ok, const char* what) {
+  if (!ok) {
+    std::cerr << "FAILED: " << what << "\n";
+    ++failures;
+  }
+}
+
+int main() {
+  // Four 4-byte tensors, reverse order, first bucket 4 bytes, cap 8: [3] [2 1] [0].
+  expect(assign_buckets({{4, 0}, {4, 0}, {4, 0}, {4, 0}}, {3, 2, 1, 0}, {4, 8}) ==
+             Buckets{{3}, {2, 1}, {0}},
+         "first bucket closes at its limit, later ones at the cap");
+  // A tensor larger than the cap gets a bucket of its own; it is never split.
+  expect(assign_buckets({{100, 0}, {1, 0}}, {0, 1}, {10, 10}) == Buckets{{0}, {1}},
+         "an oversized tensor is not split");
+  // Groups never share a bucket; launch order follows the first element's position.
+  expect(assign_buckets({{4, 0}, {4, 1}, {4, 0}, {4, 1}}, {0, 1, 2, 3}, {100, 100}) ==
+             Buckets{{0, 2}, {1, 3}},
+         "dtype/device groups are bucketed separately");
+  // Each group has its own first bucket.
+  expect(assign_buckets({{4, 0}, {4, 1}, {4, 0}, {4, 1}}, {0, 1, 2, 3}, {4, 100}) ==
+             Buckets{{0}, {1}, {2}, {3}},
+         "every group starts with a first-size bucket");
+  // Everything fits one bucket when the first bucket is large.
+  expect(assign_buckets({{4, 0}, {4, 0}, {4, 0}}, {2, 1, 0}, {1 << 20, 8}) == Buckets{{2, 1, 0}},
+         "a large first bucket takes everything");
+
+  bool threw = false;
+  try {
+    assign_buckets({{4, 0}}, {0}, {0, 8});
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("first_bucket_bytes") != std::string::npos;
+  }
+  expect(threw, "a zero first bucket is refused, naming first_bucket_bytes");
+  threw = false;
+  try {
+    assign_buckets({{4, 0}, {4, 0}}, {0, 0}, {8, 8});
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  expect(threw, "an order that is not a permutation is refused");
+
+  if (failures == 0) std::cout << "bucket assignment: all checks passed\n";
+  return failures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

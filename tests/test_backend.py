@@ -1,0 +1,35 @@
+"""Backend selection: clear errors when NCCL is asked of what cannot use it (runs on CPU)."""
+import pytest
+import torch
+
+import fused_reducer
+from fused_reducer.transport import resolve_backend
+
+
+def test_auto_picks_the_process_group_for_cpu_parameters():
+    assert resolve_backend("auto", torch.device("cpu")) == "process_group"
+
+
+def test_auto_picks_nccl_for_cuda_parameters_only_in_a_cuda_build():
+    expected = "nccl" if fused_reducer.build_info()["cuda"] else "process_group"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == expected
+
+
+def test_nccl_for_cpu_parameters_is_refused_naming_the_device():
+    error = ValueError if fused_reducer.build_info()["cuda"] else RuntimeError
+    with pytest.raises(error, match="nccl"):
+        resolve_backend("nccl", torch.device("cpu"))
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("mpi-please", torch.device("cpu"))
+
+
+def test_build_info_reports_what_was_built():
+    info = fused_reducer.build_info()
+    assert set(info) >= {"cuda", "nccl_version", "torch_version", "cuda_arch_list"}
+    assert info["torch_version"] == torch.__version__
+    if torch.version.cuda:  # on this project's CI: a CUDA build of torch, nvcc present
+        assert info["cuda"] is True and info["nccl_version"].startswith("2.")
+        assert "9.0" in info["cuda_arch_list"]
