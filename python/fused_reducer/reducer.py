@@ -24,6 +24,11 @@ class FusedReducer(nn.Module):
     the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
     and the cap stay tunable while training: set ``first_bucket_bytes`` / ``bucket_cap_bytes`` and
     the next forward rebuilds the layout, and every later rebuild keeps the value.
+
+    Like every torch.distributed API, construction, the setters and ``rebuild_buckets()`` are
+    collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
+    how buckets move ("auto", "nccl", "process_group"); ``timeout`` bounds every wait on a
+    collective, after which the step raises naming the bucket.
     """
 
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
