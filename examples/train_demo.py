@@ -19,8 +19,16 @@ MiB = 1 << 20
 
 def count_allreduces(step_fn):
     """Collectives in one step, counted by the profiler (independently of FusedReducer.stats())."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step_fn()
+    saved = os.dup(2)  # the profiler prints a start/stop line per use on stderr: hide them
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step_fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
     return sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
 
 

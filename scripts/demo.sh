@@ -6,3 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 torchrun --standalone --nproc-per-node 2 examples/train_demo.py
+
+echo
+echo "== all-reduce bandwidth, 2 gloo ranks, small sizes (bench/allreduce_bw.py; nccl-tests columns)"
+python bench/allreduce_bw.py -b 64K -e 4M -f 4 -n 10 -w 3 --impl fused,torch --quiet
