@@ -3,6 +3,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cmath>
+
 #include "bucket_assignment.h"
 #include "bucket_copy.h"
 #include "process_group_transport.h"
@@ -26,15 +28,58 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       int64_t bucket_cap_bytes,
                                       bool gradient_as_bucket_view,
                                       bool find_unused_parameters,
-                                      double timeout_seconds) {
+                                      double timeout_seconds,
+                                      int64_t last_bucket_bytes) {
   fused_reducer::ReducerOptions options;
   options.first_bucket_bytes = first_bucket_bytes;
   options.bucket_cap_bytes = bucket_cap_bytes;
+  options.last_bucket_bytes = last_bucket_bytes;
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
                                    at::Device(control_device), std::move(transport), options);
+}
+
+// NaN (a time that was never taken) -> None.
+py::object time_or_none(double us) {
+  return std::isnan(us) ? py::none() : py::object(py::float_(us));
+}
+
+py::list bucket_dicts(const fused_reducer::StepTiming& step) {
+  py::list out;
+  for (size_t b = 0; b < step.buckets.size(); ++b) {
+    const auto& t = step.buckets[b];
+    py::dict d;
+    d["bucket"] = b;
+    d["bytes"] = t.bytes;
+    d["params"] = t.params;
+    d["ready_first_us"] = time_or_none(t.ready_first_us);
+    d["ready_last_us"] = time_or_none(t.ready_last_us);
+    d["launch_us"] = time_or_none(t.launch_us);
+    d["pack_us"] = time_or_none(t.pack_us);
+    d["complete_us"] = time_or_none(t.complete_us);
+    d["wait_us"] = time_or_none(t.wait_us);
+    out.append(d);
+  }
+  return out;
+}
+
+// One step of telemetry as a dict. See Note [Step telemetry].
+py::dict step_dict(const fused_reducer::StepTiming& step) {
+  py::dict d;
+  d["step"] = step.step;
+  d["origin_us"] = step.origin_us;
+  d["forward_us"] = step.forward_us;
+  d["backward_end_us"] = step.backward_end_us;
+  d["finalize_end_us"] = step.finalize_end_us;
+  d["exposed_wait_us"] = step.exposed_wait_us;
+  d["overlap"] = step.overlap;
+  d["first_bucket_bytes"] = step.first_bucket_bytes;
+  d["bucket_cap_bytes"] = step.bucket_cap_bytes;
+  d["last_bucket_bytes"] = step.last_bucket_bytes;
+  d["buckets"] = bucket_dicts(step);
+  return d;
 }
 
 py::dict stats_dict(const Reducer& reducer) {
@@ -47,8 +92,23 @@ py::dict stats_dict(const Reducer& reducer) {
   d["copy_launches"] = s.copy_launches;
   d["first_bucket_bytes"] = s.first_bucket_bytes;
   d["bucket_cap_bytes"] = s.bucket_cap_bytes;
+  d["last_bucket_bytes"] = s.last_bucket_bytes;
   d["buckets"] = s.buckets;
   d["transport"] = s.transport;
+  // Telemetry of the last completed step (see Note [Step telemetry]).
+  const auto history = reducer.history();
+  if (history.empty()) {
+    d["buckets_detail"] = py::list();
+    d["overlap"] = py::none();
+    d["exposed_wait_us"] = py::none();
+    d["backward_end_us"] = py::none();
+  } else {
+    const auto& last = history.back();
+    d["buckets_detail"] = bucket_dicts(last);
+    d["overlap"] = last.overlap;
+    d["exposed_wait_us"] = last.exposed_wait_us;
+    d["backward_end_us"] = last.backward_end_us;
+  }
   return d;
 }
 
@@ -59,23 +119,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("assign_buckets",
         [](const std::vector<int64_t>& bytes, const std::vector<int64_t>& groups,
-           const std::vector<int64_t>& order, int64_t first_bytes, int64_t cap_bytes) {
+           const std::vector<int64_t>& order, int64_t first_bytes, int64_t cap_bytes,
+           int64_t last_bytes) {
           TORCH_CHECK(bytes.size() == groups.size(), "assign_buckets: one group per tensor");
           std::vector<fused_reducer::TensorInfo> infos;
           for (size_t i = 0; i < bytes.size(); ++i) {
             infos.push_back({bytes[i], groups[i]});
           }
-          return fused_reducer::assign_buckets(infos, order, {first_bytes, cap_bytes});
+          return fused_reducer::assign_buckets(infos, order, {first_bytes, cap_bytes, last_bytes});
         },
         py::arg("bytes"), py::arg("groups"), py::arg("order"), py::arg("first_bytes"),
-        py::arg("cap_bytes"),
+        py::arg("cap_bytes"), py::arg("last_bytes") = 0,
         "Bucket assignment (see Note [Bucket assignment]); returns parameter indices per bucket.");
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init(&make_reducer), py::arg("params"), py::arg("names"), py::arg("group"),
            py::arg("control_device"), py::arg("transport"), py::arg("first_bucket_bytes"), py::arg("bucket_cap_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("timeout_seconds"))
+           py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0)
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_sync_enabled", &Reducer::set_sync_enabled)
@@ -84,6 +145,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     &Reducer::set_first_bucket_bytes)
       .def_property("bucket_cap_bytes", &Reducer::bucket_cap_bytes,
                     &Reducer::set_bucket_cap_bytes)
+      .def_property("last_bucket_bytes", &Reducer::last_bucket_bytes,
+                    &Reducer::set_last_bucket_bytes)
+      .def("history",
+           [](const Reducer& reducer) {
+             py::list out;
+             for (const auto& step : reducer.history()) {
+               out.append(step_dict(step));
+             }
+             return out;
+           },
+           "Telemetry of the last steps kept, oldest first (see Note [Step telemetry]).")
+      .def("last_ready_times", &Reducer::last_ready_times,
+           "Per parameter: us after the first hook its gradient was ready in the last step.")
+      .def("last_ready_order", &Reducer::last_ready_order,
+           "The order the next rebuild would use (last observed, completed).")
+      .def("set_trace_capacity", &Reducer::set_trace_capacity, py::arg("steps"))
+      .def("completed_steps", &Reducer::completed_steps)
       .def("bucket_sizes", &Reducer::bucket_sizes)
       .def("bucket_params", &Reducer::bucket_params)
       .def("stats", &stats_dict);

@@ -13,12 +13,21 @@ void check_bucket_bytes(const std::string& setting, int64_t bytes) {
   }
 }
 
+void check_last_bucket_bytes(int64_t bytes) {
+  if (bytes < 0) {
+    throw std::invalid_argument(
+        "last_bucket_bytes must be 0 (off) or a positive number of bytes, got " +
+        std::to_string(bytes));
+  }
+}
+
 std::vector<std::vector<int64_t>> assign_buckets(
     const std::vector<TensorInfo>& tensors,
     const std::vector<int64_t>& order,
     const BucketLimits& limits) {
   check_bucket_bytes("first_bucket_bytes", limits.first_bytes);
   check_bucket_bytes("bucket_cap_bytes", limits.cap_bytes);
+  check_last_bucket_bytes(limits.last_bytes);
   if (order.size() != tensors.size()) {
     throw std::invalid_argument(
         "assign_buckets: order has " + std::to_string(order.size()) + " entries for " +
@@ -34,7 +43,6 @@ std::vector<std::vector<int64_t>> assign_buckets(
   std::map<int64_t, OpenBucket> open;  // group -> bucket being filled
   std::vector<std::pair<size_t, std::vector<int64_t>>> closed;  // (position of first, indices)
   std::vector<size_t> position(tensors.size());
-
   for (size_t pos = 0; pos < order.size(); ++pos) {
     const int64_t index = order[pos];
     if (index < 0 || index >= static_cast<int64_t>(tensors.size()) || seen[index]) {
@@ -44,6 +52,43 @@ std::vector<std::vector<int64_t>> assign_buckets(
     }
     seen[index] = true;
     position[index] = pos;
+  }
+
+  // The last bucket of each group: the shortest suffix reaching last_bytes,
+  // unless that is the whole group. See Note [Bucket assignment].
+  std::vector<bool> in_tail(tensors.size(), false);
+  if (limits.last_bytes > 0) {
+    std::map<int64_t, int64_t> tail_bytes;     // group -> bytes of its suffix so far
+    std::map<int64_t, int64_t> group_size;     // group -> parameters
+    std::map<int64_t, std::vector<int64_t>> tails;  // group -> suffix, last to first
+    for (size_t pos = order.size(); pos-- > 0;) {
+      const int64_t index = order[pos];
+      const int64_t group = tensors[index].group;
+      group_size[group] += 1;
+      int64_t& bytes = tail_bytes[group];
+      if (bytes >= limits.last_bytes) {
+        continue;  // this group's tail is complete; `index` belongs to the rest
+      }
+      bytes += tensors[index].bytes;
+      tails[group].push_back(index);
+    }
+    for (auto& [group, tail] : tails) {
+      if (static_cast<int64_t>(tail.size()) == group_size[group]) {
+        continue;  // the suffix is the whole group: no separate last bucket
+      }
+      for (int64_t index : tail) {
+        in_tail[index] = true;
+      }
+      std::reverse(tail.begin(), tail.end());
+      closed.emplace_back(position[tail.front()], tail);
+    }
+  }
+
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    const int64_t index = order[pos];
+    if (in_tail[index]) {
+      continue;
+    }
     OpenBucket& bucket = open[tensors[index].group];
     bucket.indices.push_back(index);
     bucket.bytes += tensors[index].bytes;

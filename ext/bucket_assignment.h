@@ -16,10 +16,11 @@ struct TensorInfo {
   int64_t group;  // parameters only share a bucket within a group: one group per (dtype, device)
 };
 
-// Size limits of the buckets of one group, in launch order: [first, cap, cap, ...].
+// Size limits of the buckets of one group, in launch order: [first, cap, cap, ..., last].
 struct BucketLimits {
   int64_t first_bytes;
   int64_t cap_bytes;
+  int64_t last_bytes = 0;  // 0: no separate last bucket
 };
 
 // Note [Bucket assignment]
@@ -31,6 +32,15 @@ struct BucketLimits {
 // bucket of a group has limit first_bytes for k == 0 and cap_bytes after.
 // Buckets are returned in launch order: by the position in `order` of their
 // first parameter. Each bucket lists parameter indices in `order` order.
+//
+// A small last bucket (last_bytes > 0): before the rule above runs, each
+// group's tail is split off into a bucket of its own: the shortest suffix of
+// the group's parameters (in `order`) whose byte size reaches last_bytes. Like
+// every bucket it may exceed its limit by less than one parameter (its first).
+// If that suffix would be the whole group, nothing is split off. The rest of
+// the group is then bucketed by [first, cap, cap, ...] as above, and the tail
+// launches after it. A small last bucket shortens the reduction that cannot
+// overlap backward: the one launched when the last gradients are ready.
 std::vector<std::vector<int64_t>> assign_buckets(
     const std::vector<TensorInfo>& tensors,
     const std::vector<int64_t>& order,
@@ -38,5 +48,8 @@ std::vector<std::vector<int64_t>> assign_buckets(
 
 // Throws std::invalid_argument naming `setting` unless 0 < bytes.
 void check_bucket_bytes(const std::string& setting, int64_t bytes);
+
+// Throws std::invalid_argument naming last_bucket_bytes unless 0 <= bytes (0 = off).
+void check_last_bucket_bytes(int64_t bytes);
 
 }  // namespace fused_reducer

@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -15,6 +17,15 @@ namespace {
 constexpr const char* kFindUnusedHint =
     "If some parameters are legitimately unused in forward, construct FusedReducer with "
     "find_unused_parameters=True; otherwise make every forward output take part in the loss.";
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Steady-clock microseconds. See Note [Step telemetry].
+double now_us() {
+  return std::chrono::duration<double, std::micro>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string megabytes(int64_t bytes) {
   std::ostringstream out;
@@ -51,6 +62,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
   check_bucket_bytes("first_bucket_bytes", options_.first_bucket_bytes);
   check_bucket_bytes("bucket_cap_bytes", options_.bucket_cap_bytes);
+  check_last_bucket_bytes(options_.last_bucket_bytes);
 
   // One bucket group per (dtype, device), numbered in registration order.
   std::map<std::pair<int, std::string>, int64_t> groups;
@@ -66,6 +78,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
     order[i] = static_cast<int64_t>(order.size() - 1 - i);
   }
   build_buckets(order);
+  reset_iteration();
   install_hooks();
 }
 
@@ -124,9 +137,18 @@ void Reducer::on_gradient_ready(int64_t index) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     callback_queued_ = true;
   }
+  const double now = now_us();
+  if (ready_order_.empty()) {
+    step_origin_ = now;
+  }
   ready_[index] = 1;
   ready_order_.push_back(index);
+  ready_time_[index] = now;
   Bucket& bucket = buckets_[bucket_of_[index]];
+  if (std::isnan(bucket.timing.ready_first_us)) {
+    bucket.timing.ready_first_us = now;
+  }
+  bucket.timing.ready_last_us = now;
   if (--bucket.pending == 0) {
     launch_ready_buckets();
   }
@@ -137,7 +159,10 @@ void Reducer::on_gradient_ready(int64_t index) {
 void Reducer::launch_ready_buckets() {
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     Bucket& bucket = buckets_[next_to_launch_++];
+    const double start = now_us();
     pack_bucket(bucket);
+    bucket.timing.launch_us = now_us();
+    bucket.timing.pack_us = bucket.timing.launch_us - start;
     bucket.collective = transport_->allreduce_sum(bucket.flat);
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;
@@ -191,6 +216,7 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  const double backward_end = now_us();
   expect_hooks_ = false;
   finished_since_forward_ = true;
   callback_queued_ = false;
@@ -243,7 +269,11 @@ void Reducer::finalize_backward() {
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
   for (size_t b = 0; b < buckets_.size(); ++b) {
+    const double start = now_us();
     wait_for_bucket(b);
+    BucketTiming& timing = buckets_[b].timing;
+    timing.complete_us = now_us();
+    timing.wait_us = timing.complete_us - start;
     unpack_bucket(buckets_[b], [used](int64_t index) { return used == nullptr || used[index] != 0; });
   }
 
@@ -251,11 +281,58 @@ void Reducer::finalize_backward() {
   stats_.allreduces = launched_this_step_;
   stats_.allreduce_bytes = launched_bytes_this_step_;
   stats_.copy_launches = copy_launches_this_step_;
+  record_step(backward_end, now_us());
   last_ready_order_ = ready_order_;
   if (!rebuilt_after_first_step_) {
     // The first backward showed the real ready order: lay buckets out by it.
     rebuilt_after_first_step_ = true;
     rebuild_pending_ = true;
+  }
+}
+
+// Turns this iteration's absolute times into a StepTiming relative to the
+// first hook and keeps it in the ring. See Note [Step telemetry].
+void Reducer::record_step(double backward_end, double finalize_end) {
+  const double origin = ready_order_.empty() ? backward_end : step_origin_;
+  StepTiming step;
+  step.step = stats_.step;
+  step.origin_us = origin;
+  step.forward_us = forward_time_ - origin;
+  step.backward_end_us = backward_end - origin;
+  step.finalize_end_us = finalize_end - origin;
+  step.first_bucket_bytes = options_.first_bucket_bytes;
+  step.bucket_cap_bytes = options_.bucket_cap_bytes;
+  step.last_bucket_bytes = options_.last_bucket_bytes;
+  std::vector<std::pair<double, double>> busy;  // [launch, complete] per bucket
+  for (const auto& bucket : buckets_) {
+    BucketTiming t = bucket.timing;
+    t.ready_first_us -= origin;
+    t.ready_last_us -= origin;
+    t.launch_us -= origin;
+    t.complete_us -= origin;
+    step.exposed_wait_us += t.wait_us;
+    busy.emplace_back(t.launch_us, t.complete_us);
+    step.buckets.push_back(t);
+  }
+  std::sort(busy.begin(), busy.end());
+  double union_us = 0;
+  double end = -std::numeric_limits<double>::infinity();
+  for (const auto& [from, to] : busy) {
+    const double start = std::max(from, end);
+    if (to > start) {
+      union_us += to - start;
+    }
+    end = std::max(end, to);
+  }
+  step.overlap = union_us > 0 ? std::clamp(1.0 - step.exposed_wait_us / union_us, 0.0, 1.0) : 1.0;
+
+  last_ready_time_.assign(params_.size(), kNaN);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    last_ready_time_[i] = ready_time_[i] - origin;
+  }
+  history_.push_back(std::move(step));
+  while (history_.size() > trace_capacity_) {
+    history_.pop_front();
   }
 }
 
@@ -297,6 +374,7 @@ void Reducer::wait_for_launched_quietly() {
 
 void Reducer::prepare_forward(bool will_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
+  forward_time_ = now_us();
   if (!deferred_error_.empty()) {
     std::string error = std::move(deferred_error_);
     deferred_error_.clear();
@@ -340,9 +418,15 @@ void Reducer::reset_iteration() {
   launched_this_step_ = 0;
   launched_bytes_this_step_ = 0;
   copy_launches_this_step_ = 0;
+  ready_time_.assign(params_.size(), kNaN);
   for (auto& bucket : buckets_) {
     bucket.pending = static_cast<int64_t>(bucket.params.size());
     bucket.collective.reset();
+    bucket.timing = BucketTiming{};
+    bucket.timing.bytes = bucket.bytes;
+    bucket.timing.params = static_cast<int64_t>(bucket.params.size());
+    bucket.timing.ready_first_us = kNaN;
+    bucket.timing.ready_last_us = kNaN;
   }
   expect_hooks_ = false;
   finished_since_forward_ = false;
@@ -370,12 +454,14 @@ std::vector<int64_t> Reducer::observed_order() const {
 // parameters whose sizes were verified equal at construction.
 void Reducer::rebuild_from_rank0() {
   const auto count = static_cast<int64_t>(params_.size());
-  at::Tensor message = at::empty({2 + count}, at::kLong);
+  constexpr int64_t kLimits = 3;  // first, cap, last
+  at::Tensor message = at::empty({kLimits + count}, at::kLong);
   auto* data = message.data_ptr<int64_t>();
   data[0] = options_.first_bucket_bytes;
   data[1] = options_.bucket_cap_bytes;
+  data[2] = options_.last_bucket_bytes;
   const auto order = observed_order();
-  std::copy(order.begin(), order.end(), data + 2);
+  std::copy(order.begin(), order.end(), data + kLimits);
 
   std::vector<at::Tensor> tensors{message.to(control_device_)};
   c10d::BroadcastOptions broadcast;
@@ -390,14 +476,16 @@ void Reducer::rebuild_from_rank0() {
   data = message.data_ptr<int64_t>();
   options_.first_bucket_bytes = data[0];
   options_.bucket_cap_bytes = data[1];
-  build_buckets(std::vector<int64_t>(data + 2, data + 2 + count));
+  options_.last_bucket_bytes = data[2];
+  build_buckets(std::vector<int64_t>(data + kLimits, data + kLimits + count));
   rebuild_pending_ = false;
   stats_.rebuilds += 1;
 }
 
 void Reducer::build_buckets(const std::vector<int64_t>& order) {
-  const auto assignment =
-      assign_buckets(infos_, order, {options_.first_bucket_bytes, options_.bucket_cap_bytes});
+  const auto assignment = assign_buckets(
+      infos_, order,
+      {options_.first_bucket_bytes, options_.bucket_cap_bytes, options_.last_bucket_bytes});
   std::vector<Bucket> buckets(assignment.size());
   bucket_of_.assign(params_.size(), -1);
   slot_of_.assign(params_.size(), -1);
@@ -433,6 +521,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   buckets_ = std::move(buckets);
   stats_.first_bucket_bytes = options_.first_bucket_bytes;
   stats_.bucket_cap_bytes = options_.bucket_cap_bytes;
+  stats_.last_bucket_bytes = options_.last_bucket_bytes;
 }
 
 // ---------------------------------------------------------------------------
@@ -451,6 +540,18 @@ void Reducer::set_bucket_cap_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   options_.bucket_cap_bytes = bytes;
   rebuild_pending_ = true;
+}
+
+void Reducer::set_last_bucket_bytes(int64_t bytes) {
+  check_last_bucket_bytes(bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.last_bucket_bytes = bytes;
+  rebuild_pending_ = true;
+}
+
+int64_t Reducer::last_bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.last_bucket_bytes;
 }
 
 int64_t Reducer::first_bucket_bytes() const {
@@ -497,6 +598,36 @@ ReducerStats Reducer::stats() const {
   stats.buckets = static_cast<int64_t>(buckets_.size());
   stats.transport = transport_->name();
   return stats;
+}
+
+std::vector<StepTiming> Reducer::history() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {history_.begin(), history_.end()};
+}
+
+std::vector<double> Reducer::last_ready_times() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_ready_time_;
+}
+
+std::vector<int64_t> Reducer::last_ready_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return observed_order();
+}
+
+void Reducer::set_trace_capacity(int64_t steps) {
+  TORCH_CHECK(steps > 0, "FusedReducer: trace capacity must be a positive number of steps, got ",
+              steps);
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_capacity_ = static_cast<size_t>(steps);
+  while (history_.size() > trace_capacity_) {
+    history_.pop_front();
+  }
+}
+
+int64_t Reducer::completed_steps() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.step;
 }
 
 std::string Reducer::describe_params(const std::vector<int64_t>& indices) const {

@@ -6,7 +6,9 @@ Note [Bucket assignment] (ext/bucket_assignment.h):
   never split and a bucket may exceed its limit;
 * the k-th bucket of a group has limit `first` for k == 0 and `cap` after;
 * buckets come back in launch order: by the position in `order` of their first parameter, each
-  listing its parameter indices in `order` order.
+  listing its parameter indices in `order` order;
+* with a last bucket (last > 0), each group's shortest suffix (in `order`) reaching `last` bytes
+  is a bucket of its own, unless it is the whole group; the rest is bucketed as above.
 """
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -14,12 +16,23 @@ from hypothesis import given, settings, strategies as st
 from fused_reducer import _C
 
 
-def reference_assign(sizes, groups, order, first, cap):
+def reference_assign(sizes, groups, order, first, cap, last=0):
     """Straightforward re-statement of the rule; shares no code with the C++ version."""
     position = {index: pos for pos, index in enumerate(order)}
-    open_buckets = {}  # group -> [indices, bytes, buckets already closed in this group]
     finished = []
-    for index in order:
+    tail = set()
+    if last > 0:
+        for g in {groups[i] for i in order}:
+            members = [i for i in order if groups[i] == g]
+            k, total = len(members), 0
+            while k > 0 and total < last:  # grow the suffix until it reaches `last`
+                k -= 1
+                total += sizes[members[k]]
+            if k > 0:  # a suffix that is the whole group is not split off
+                finished.append(members[k:])
+                tail.update(members[k:])
+    open_buckets = {}  # group -> [indices, bytes, buckets already closed in this group]
+    for index in (i for i in order if i not in tail):
         g = groups[index]
         state = open_buckets.setdefault(g, [[], 0, 0])
         state[0].append(index)
@@ -32,8 +45,9 @@ def reference_assign(sizes, groups, order, first, cap):
     return sorted(finished, key=lambda bucket: position[bucket[0]])
 
 
-def assign(sizes, groups, order, first, cap):
-    return [list(b) for b in _C.assign_buckets(list(sizes), list(groups), list(order), first, cap)]
+def assign(sizes, groups, order, first, cap, last=0):
+    return [list(b) for b in _C.assign_buckets(list(sizes), list(groups), list(order), first, cap,
+                                               last)]
 
 
 # -- property-based ----------------------------------------------------------------------------
@@ -54,6 +68,14 @@ def bucketing_problems(draw):
     return sizes, groups, order, first, cap
 
 
+@st.composite
+def bucketing_problems_with_last(draw):
+    sizes, groups, order, first, cap = draw(bucketing_problems())
+    last = draw(st.one_of(st.just(0), st.integers(1, 128), st.integers(1, 10_000),
+                          st.integers(1, 1 << 50)))
+    return sizes, groups, order, first, cap, last
+
+
 @settings(max_examples=400, deadline=None)
 @given(bucketing_problems())
 def test_assignment_matches_python_reference(problem):
@@ -62,34 +84,45 @@ def test_assignment_matches_python_reference(problem):
                                                                         first, cap)
 
 
+@settings(max_examples=400, deadline=None)
+@given(bucketing_problems_with_last())
+def test_assignment_with_last_bucket_matches_python_reference(problem):
+    sizes, groups, order, first, cap, last = problem
+    assert (assign(sizes, groups, order, first, cap, last)
+            == reference_assign(sizes, groups, order, first, cap, last))
+
+
 @settings(max_examples=300, deadline=None)
-@given(bucketing_problems())
-def test_assignment_invariants_hold(problem):
-    """Rule-level invariants checked without the reference: a partition of all parameters, one
-    group per bucket, order preserved, closed buckets reached their limit and would not have
-    reached it one parameter earlier, launch order by first position."""
-    sizes, groups, order, first, cap = problem
-    buckets = assign(sizes, groups, order, first, cap)
-    position = {index: pos for pos, index in enumerate(order)}
+@given(bucketing_problems_with_last())
+def test_last_bucket_is_the_shortest_tail_reaching_last_bytes(problem):
+    """Without the reference: each group's last bucket is a suffix of the group that reaches
+    `last` and would not without its first parameter, or else the group was left whole to the
+    [first, cap] rule; last=0 changes nothing."""
+    sizes, groups, order, first, cap, last = problem
+    buckets = assign(sizes, groups, order, first, cap, last)
+    assert sorted(i for b in buckets for i in b) == list(range(len(sizes)))
+    if last == 0:
+        assert buckets == assign(sizes, groups, order, first, cap)
+        return
 
-    flat = [i for b in buckets for i in b]
-    assert sorted(flat) == list(range(len(sizes)))
-    assert all(b for b in buckets)
-    for b in buckets:
-        assert len({groups[i] for i in b}) == 1
-        assert [position[i] for i in b] == sorted(position[i] for i in b)
-    assert [position[b[0]] for b in buckets] == sorted(position[b[0]] for b in buckets)
+    def plain(members):  # the [first, cap] rule alone on these parameters, in this order
+        got = assign([sizes[i] for i in members], [0] * len(members), list(range(len(members))),
+                     first, cap)
+        return [[members[j] for j in b] for b in got]
 
-    by_group = {}
-    for b in buckets:
-        by_group.setdefault(groups[b[0]], []).append(b)
-    for group_buckets in by_group.values():
-        for k, b in enumerate(group_buckets):
-            limit = first if k == 0 else cap
-            total = sum(sizes[i] for i in b)
-            assert total - sizes[b[-1]] < limit  # never closed later than needed
-            if k < len(group_buckets) - 1:
-                assert total >= limit  # only the group's last bucket may stay under its limit
+    for g in set(groups):
+        members = [i for i in order if groups[i] == g]
+        mine = [b for b in buckets if groups[b[0]] == g]
+        if sum(sizes[i] for i in members[1:]) < last:
+            # the shortest suffix reaching `last` would be the whole group: nothing split off
+            assert mine == plain(members)
+            continue
+        tail = mine[-1]
+        assert tail == members[len(members) - len(tail):]  # a suffix, in order
+        total = sum(sizes[i] for i in tail)
+        assert total >= last and total - sizes[tail[0]] < last
+        rest = members[: len(members) - len(tail)]
+        assert mine[:-1] == plain(rest)
 
 
 # -- hand-written cases ------------------------------------------------------------------------
@@ -124,6 +157,23 @@ def test_buckets_are_in_launch_order_by_first_position():
     assert buckets == [[0], [1], [2]]
     buckets = assign([1, 8, 8, 1], [1, 0, 0, 1], [1, 0, 2, 3], 8, 8)
     assert buckets == [[1], [0, 3], [2]]
+
+
+def test_last_bucket_splits_off_the_shortest_tail_then_first_and_cap_apply():
+    sizes = [4] * 6
+    assert assign(sizes, [0] * 6, list(range(6)), 8, 8, 5) == [[0, 1], [2, 3], [4, 5]]
+    assert assign(sizes, [0] * 6, list(range(6)), 8, 8, 4) == [[0, 1], [2, 3], [4], [5]]
+    # A first bucket big enough for everything still leaves the last bucket separate.
+    assert assign(sizes, [0] * 6, list(range(5, -1, -1)), 1 << 30, 8, 4) == [[5, 4, 3, 2, 1], [0]]
+    # A last bucket that would hold the whole group is not split off.
+    assert assign([4, 4], [0, 0], [0, 1], 4, 4, 100) == [[0], [1]]
+    # Each group gets its own last bucket.
+    assert assign([4] * 4, [0, 1, 0, 1], [0, 1, 2, 3], 100, 100, 4) == [[0], [1], [2], [3]]
+
+
+def test_negative_last_bucket_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match="last_bucket_bytes"):
+        assign([4, 4], [0, 0], [1, 0], 8, 8, -1)
 
 
 def test_empty_input_gives_no_buckets():

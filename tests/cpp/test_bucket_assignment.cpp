@@ -38,7 +38,29 @@ int main() {
   expect(assign_buckets({{4, 0}, {4, 0}, {4, 0}}, {2, 1, 0}, {1 << 20, 8}) == Buckets{{2, 1, 0}},
          "a large first bucket takes everything");
 
+  // A small last bucket: the shortest tail reaching last_bytes is split off
+  // first, then [first, cap] applies to the rest. Sizes 4 each, order 0..5.
+  expect(assign_buckets({{4, 0}, {4, 0}, {4, 0}, {4, 0}, {4, 0}, {4, 0}}, {0, 1, 2, 3, 4, 5},
+                        {8, 8, 5}) == Buckets{{0, 1}, {2, 3}, {4, 5}},
+         "the last bucket is the shortest tail reaching last_bytes (may exceed it)");
+  expect(assign_buckets({{4, 0}, {4, 0}, {4, 0}, {4, 0}}, {3, 2, 1, 0}, {1 << 20, 8, 4}) ==
+             Buckets{{3, 2, 1}, {0}},
+         "a large first bucket takes everything but the last bucket");
+  expect(assign_buckets({{4, 0}, {4, 0}}, {0, 1}, {4, 4, 100}) == Buckets{{0}, {1}},
+         "no last bucket when it would hold the whole group");
+  expect(assign_buckets({{4, 0}, {4, 1}, {4, 0}, {4, 1}}, {0, 1, 2, 3}, {100, 100, 4}) ==
+             Buckets{{0}, {1}, {2}, {3}},
+         "every group gets its own last bucket");
+
   bool threw = false;
+  try {
+    assign_buckets({{4, 0}}, {0}, {8, 8, -1});
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("last_bucket_bytes") != std::string::npos;
+  }
+  expect(threw, "a negative last bucket is refused, naming last_bucket_bytes");
+
+  threw = false;
   try {
     assign_buckets({{4, 0}}, {0}, {0, 8});
   } catch (const std::invalid_argument& e) {
