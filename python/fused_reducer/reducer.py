@@ -3,6 +3,8 @@
 Python does the once-per-construction and once-per-forward work (checks, broadcasts, the safe
 point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
 """
+import logging
+import os
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,6 +17,8 @@ from . import _C
 from .transport import make_transport, resolve_backend
 from .settings import check_bytes, get_default_first_bucket_bytes, megabytes_to_bytes
 
+_log = logging.getLogger("fused_reducer")
+DEBUG_ENV = "FUSED_REDUCER_DEBUG"
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
 
@@ -29,15 +33,25 @@ class FusedReducer(nn.Module):
     collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
     how buckets move ("auto", "nccl", "process_group"); ``timeout`` bounds every wait on a
     collective, after which the step raises naming the bucket.
+
+    ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
+    their own (see ``last_bucket_bytes``). ``autotune=True`` starts ``autotune()`` at once: the
+    limits are then measured and chosen while training goes on (docs/TUNING.md).
+    ``FUSED_REDUCER_DEBUG=1`` logs layout changes, rebuilds and tuning decisions to the
+    ``fused_reducer`` logger.
     """
 
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
-                 broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10)):
+                 broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10),
+                 last_bucket_mb=None, autotune=False):
         super().__init__()
         cap_bytes = megabytes_to_bytes("bucket_cap_mb", bucket_cap_mb)
         first_bytes = (get_default_first_bucket_bytes() if first_bucket_mb is None
                        else megabytes_to_bytes("first_bucket_mb", first_bucket_mb))
+        last_bytes = (0 if last_bucket_mb is None or (not isinstance(last_bucket_mb, bool)
+                                                      and last_bucket_mb == 0)
+                      else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
         timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if not timeout_s > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -67,14 +81,29 @@ class FusedReducer(nn.Module):
         _broadcast_from_rank0(self.process_group, params + self._buffers)
 
         transport = make_transport(self.process_group, self.device, self.backend, timeout_s)
+        self._transport = transport  # the autotuner's probe times this same transport
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device), transport,
-            first_bytes, cap_bytes, gradient_as_bucket_view, find_unused_parameters, timeout_s)
+            first_bytes, cap_bytes, gradient_as_bucket_view, find_unused_parameters, timeout_s,
+            last_bytes)
+        self._syncing = True
+        self._trace_steps = 100  # the C++ reducer's default ring size
+        self._tuner = None
+        self._debug = _debug_enabled()
+        self._rebuilds_seen = 0
+        if self._debug:
+            self._log_layout("initial layout")
+        if autotune:
+            self.autotune()
 
     # -- the step ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            if self._tuner is not None and self._syncing:
+                self._tuner.on_forward()  # once per step: may set the limits for this step
             self._reducer.prepare_forward(will_sync=True)
+            if self._debug:
+                self._log_rebuild()
         if self.broadcast_buffers and self._buffers:
             _broadcast_from_rank0(self.process_group, self._buffers)
         return self.module(*args, **kwargs)
@@ -84,10 +113,12 @@ class FusedReducer(nn.Module):
         """Backward passes of forwards run inside accumulate into param.grad without
         communication; the next synchronised backward reduces the accumulated sum."""
         self._reducer.set_sync_enabled(False)
+        self._syncing = False
         try:
             yield
         finally:
             self._reducer.set_sync_enabled(True)
+            self._syncing = True
 
     # -- knobs ---------------------------------------------------------------------------------
     @property
@@ -109,9 +140,41 @@ class FusedReducer(nn.Module):
     def bucket_cap_bytes(self, nbytes):
         self._reducer.bucket_cap_bytes = check_bytes("bucket_cap_bytes", nbytes)
 
+    @property
+    def last_bucket_bytes(self):
+        """Size of a separate last bucket (0 = none): the last gradients of backward, at least
+        this many bytes, reduced on their own so the reduction left after backward is short.
+        Same rules as first_bucket_bytes; 0 or None turns it off."""
+        return self._reducer.last_bucket_bytes
+
+    @last_bucket_bytes.setter
+    def last_bucket_bytes(self, nbytes):
+        if nbytes is None or (isinstance(nbytes, int) and not isinstance(nbytes, bool)
+                              and nbytes == 0):
+            nbytes = 0
+        else:
+            nbytes = check_bytes("last_bucket_bytes", nbytes)
+        self._reducer.last_bucket_bytes = nbytes
+
     def rebuild_buckets(self):
         """Rebuild the layout at the next forward from the last observed gradient-ready order."""
         self._reducer.request_rebuild()
+
+    # -- autotune ------------------------------------------------------------------------------
+    def autotune(self, **options):
+        """Start tuning first_bucket_bytes, bucket_cap_bytes and last_bucket_bytes from measured
+        steps while training goes on (collective: call on every rank). Gradients stay exact: a
+        new layout only takes effect at a forward. When done, the choice is the value of the
+        properties. Options: see fused_reducer.autotune.Autotuner."""
+        from .autotune import Autotuner
+        self._tuner = Autotuner(self, **options)
+
+    def autotune_report(self):
+        """{done, trials: [{first_bucket_bytes, bucket_cap_bytes, last_bucket_bytes, step_ms,
+        ...}], choice: {...} or None, ...}; see docs/TUNING.md."""
+        if self._tuner is None:
+            return {"done": False, "state": "not started", "trials": [], "choice": None}
+        return self._tuner.report()
 
     # -- introspection -------------------------------------------------------------------------
     def bucket_sizes(self):
@@ -123,8 +186,72 @@ class FusedReducer(nn.Module):
         return [[self._param_names[i] for i in bucket] for bucket in self._reducer.bucket_params()]
 
     def stats(self):
-        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits."""
+        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits;
+        telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
+        ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
+        first gradient), overlap, exposed_wait_us, backward_end_us."""
         return dict(self._reducer.stats())
+
+    def step_history(self):
+        """Telemetry of the last steps kept (at most trace_steps), oldest first: one dict per
+        step like stats()'s telemetry, with the limits in force and per-bucket records."""
+        return list(self._reducer.history())
+
+    @property
+    def trace_steps(self):
+        """How many steps of telemetry are kept for step_history() and export_trace()."""
+        return self._trace_steps
+
+    @trace_steps.setter
+    def trace_steps(self, steps):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError(f"trace_steps must be a positive int, got {steps!r}")
+        self._reducer.set_trace_capacity(steps)
+        self._trace_steps = steps
+
+    def export_trace(self, path, steps=None):
+        """Write the telemetry of the last `steps` steps (default all kept) as a Chrome trace
+        (JSON, opens in Perfetto / chrome://tracing): a row for the step, one for backward and
+        the end-of-backward wait, one per bucket (fill, copy, all-reduce, exposed wait). `path`
+        may contain "{rank}". Returns the path written."""
+        from .trace import write_chrome_trace
+        history = self.step_history()
+        if steps is not None:
+            history = history[-int(steps):] if int(steps) > 0 else []
+        rank = dist.get_rank(self.process_group)
+        path = str(path).format(rank=rank)
+        write_chrome_trace(path, history, rank=rank,
+                           meta={"transport": self._reducer.stats()["transport"],
+                                 "world_size": dist.get_world_size(self.process_group)})
+        return path
+
+    # -- debug logging (FUSED_REDUCER_DEBUG=1) ---------------------------------------------------
+    def _log_layout(self, what):
+        sizes = self.bucket_sizes()
+        _log.debug("rank %d: %s: first_bucket_bytes=%d bucket_cap_bytes=%d last_bucket_bytes=%d; "
+                   "%d buckets (MiB, launch order) %s", dist.get_rank(self.process_group), what,
+                   self.first_bucket_bytes, self.bucket_cap_bytes, self.last_bucket_bytes,
+                   len(sizes), [round(b / 2**20, 3) for b in sizes])
+
+    def _log_rebuild(self):
+        rebuilds = self._reducer.stats()["rebuilds"]
+        if rebuilds != self._rebuilds_seen:
+            self._rebuilds_seen = rebuilds
+            self._log_layout(f"layout rebuilt (rebuild {rebuilds})")
+
+
+def _debug_enabled():
+    """FUSED_REDUCER_DEBUG=1: debug records of the 'fused_reducer' logger are shown on stderr
+    (a handler is added unless the application configured one)."""
+    if os.environ.get(DEBUG_ENV, "").strip() in ("", "0"):
+        return False
+    if _log.level == logging.NOTSET or _log.level > logging.DEBUG:
+        _log.setLevel(logging.DEBUG)
+    if not _log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[fused_reducer %(levelname)s] %(message)s"))
+        _log.addHandler(handler)
+    return True
 
 
 def _resolve_group(process_group):
