@@ -1,0 +1,376 @@
+"""Autotune of the bucket limits (first_bucket_bytes, bucket_cap_bytes, last_bucket_bytes) from
+measured training steps. Driven by FusedReducer.forward, once per synchronised step; nothing
+here runs per parameter. docs/TUNING.md describes it for users.
+
+1. Wait until the reducer has completed `min_steps` steps, so the gradient-ready order and the
+   per-parameter ready times (C++ telemetry, Note [Step telemetry]) are known.
+2. Probe the transport the reducer uses: a few all-reduces of a small and a large flat buffer
+   give a per-collective latency and a bandwidth (max over ranks).
+3. Model (rank 0): every candidate of `candidate_grid` is turned into its bucket layout by the
+   reducer's own assignment (_C.assign_buckets on the observed order; candidates with identical
+   layouts are one configuration) and simulated: a bucket launches, strictly in order, when its
+   last gradient is ready; the transport runs one bucket at a time, each costing latency +
+   bytes / bandwidth. Overlap with backward is scored twice (CostModel: free, as with NCCL on a
+   GPU, and contended, as with gloo threads sharing the CPU cores); the starting configuration
+   (the incumbent) and the best predictions of both scores, alternately, make the shortlist of
+   `max_candidates`. Rank 0 broadcasts this plan.
+4. Measure with successive halving: each round sets a candidate's limits at a forward (a safe
+   point: gradients stay exact), discards one warm-up step (it contains the rebuild), then times
+   `round_steps[r]` steps, forward to forward. Per step the slowest rank counts (one small MAX
+   all-reduce per trial). After each round the better half of the challengers stays (median
+   step time over all their samples); the incumbent always stays, as the reference.
+5. Decide (rank 0, broadcast): the fastest survivor, unless it is not at least `margin` faster
+   than the incumbent, in which case the incumbent stays. The choice becomes the value of the
+   properties (and so persists across rebuilds); one INFO line on the "fused_reducer" logger
+   announces it.
+"""
+import logging
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+log = logging.getLogger("fused_reducer")
+
+KiB = 1024
+MiB = 1024 * 1024
+# Sizes tried for the first bucket and the cap (values beyond the gradient bytes are all "one
+# bucket" and collapse into one layout), and for the last bucket (0 = none).
+SIZE_LADDER = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
+LAST_LADDER = (0, 256 * KiB, 1 * MiB, 4 * MiB)
+_INVALID = 1e30  # a step that cannot be timed (no backward between two forwards) on some rank
+
+
+def candidate_grid(group_bytes, incumbent):
+    """Every (first, cap, last) considered: ladder values up to the first one that holds the
+    largest group whole, the incumbent's values, and no last bucket at least half the group."""
+    total = max(group_bytes)
+    ladder = []
+    for size in SIZE_LADDER:
+        ladder.append(size)
+        if size >= total:
+            break
+    firsts = sorted(set(ladder) | {incumbent[0]})
+    caps = sorted(set(ladder) | {incumbent[1]})
+    lasts = sorted({v for v in LAST_LADDER if v == 0 or 2 * v <= total} | {incumbent[2]})
+    return [(f, c, l) for f in firsts for c in caps for l in lasts]
+
+
+class ParamInfo:
+    """What bucketing needs about the reducer's parameters (same on every rank)."""
+
+    def __init__(self, params):
+        self.sizes = [p.numel() * p.element_size() for p in params]
+        keys = {}
+        self.groups = [keys.setdefault((p.dtype, str(p.device)), len(keys)) for p in params]
+        totals = {}
+        for size, group in zip(self.sizes, self.groups):
+            totals[group] = totals.get(group, 0) + size
+        self.group_bytes = list(totals.values())
+
+    def layout(self, order, candidate):
+        first, cap, last = candidate
+        return tuple(tuple(b) for b in _C.assign_buckets(self.sizes, self.groups, order, first,
+                                                         cap, last))
+
+
+class CostModel:
+    """Step time of a layout from the transport's latency and bandwidth and the observed
+    gradient-ready times. See the module docstring, step 3.
+
+    Two readings of the same simulation bound what overlap is worth:
+      free       communication running while backward computes costs backward nothing (a GPU
+                 with NCCL on its own stream): step = max(end of backward, last bucket done);
+      contended  it costs backward its full duration (CPU ranks whose transport threads share
+                 the cores with backward): step = end of backward + communication overlapped
+                 with it + what is left after it.
+    The tuner measures the best layouts of both readings, so it need not know the machine.
+    """
+
+    def __init__(self, latency_us, bytes_per_us, copy_bytes_per_us):
+        self.latency_us = latency_us
+        self.bytes_per_us = bytes_per_us
+        self.copy_bytes_per_us = copy_bytes_per_us
+
+    def bucket_us(self, nbytes):
+        return self.latency_us + nbytes / self.bytes_per_us
+
+    def predict_us(self, layout, sizes, ready_us, backward_end_us):
+        """(free, contended): microseconds from the first gradient until the step's gradients
+        are reduced, for both readings above."""
+        launch = 0.0
+        transport_free = 0.0
+        overlapped = 0.0
+        for bucket in layout:
+            times = [ready_us[i] for i in bucket if not math.isnan(ready_us[i])]
+            ready = max(times) if times else backward_end_us
+            nbytes = sum(sizes[i] for i in bucket)
+            launch = max(launch, ready) + nbytes / self.copy_bytes_per_us
+            start = max(transport_free, launch)
+            transport_free = start + self.bucket_us(nbytes)
+            overlapped += max(0.0, min(transport_free, backward_end_us) - start)
+        exposed = max(0.0, transport_free - backward_end_us)
+        return backward_end_us + exposed, backward_end_us + overlapped + exposed
+
+
+def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3):
+    """(latency_us, bytes_per_us) of `transport` from timed all-reduces of a small and a large
+    float32 buffer: the fastest of `repeats` each (after one warm-up), slowest rank."""
+    timings = []
+    for nbytes in (small, large):
+        flat = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        transport.allreduce_sum(flat).wait()
+        best = math.inf
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            transport.allreduce_sum(flat).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, (time.perf_counter() - start) * 1e6)
+        timings.append(best)
+    agreed = torch.tensor(timings, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    t_small, t_large = agreed.tolist()
+    bytes_per_us = (large - small) / max(t_large - t_small, 1e-3)
+    latency_us = max(t_small - small / bytes_per_us, 1.0)
+    return latency_us, bytes_per_us
+
+
+class Autotuner:
+    """State machine driven by FusedReducer.forward; see the module docstring.
+
+    max_candidates: configurations measured in the first round, the incumbent included (default
+    None: a fifth of the distinct layouts, at least 3 and at most 6).
+    round_steps: timed steps per trial in each successive-halving round (after one discarded
+    warm-up step per trial); the number of rounds is len(round_steps).
+    margin: how much faster than the incumbent the best challenger must be to be chosen.
+    candidates: an explicit list of (first, cap, last) to choose from instead of the grid.
+    min_steps: completed steps before tuning starts (ready order and times must be known).
+    """
+
+    def __init__(self, model, max_candidates=None, round_steps=(2, 4), warmup_steps=1,
+                 margin=0.02, candidates=None, min_steps=2):
+        if max_candidates is not None and max_candidates < 2:
+            raise ValueError(f"max_candidates must be >= 2, got {max_candidates}")
+        if not round_steps or any(int(s) < 1 for s in round_steps):
+            raise ValueError(f"round_steps must be a non-empty list of ints >= 1, got {round_steps}")
+        self.model = model
+        self.max_candidates = None if max_candidates is None else int(max_candidates)
+        self.round_steps = [int(s) for s in round_steps]
+        self.warmup_steps = int(warmup_steps)
+        self.margin = float(margin)
+        self.explicit = None if candidates is None else [tuple(int(v) for v in c) for c in candidates]
+        self.min_steps = int(min_steps)
+        self.group = model.process_group
+        self.rank = dist.get_rank(self.group)
+        self.state = "waiting"
+        self.steps_used = 0          # synchronised steps since the plan was made
+        self.plan = []               # [{candidate, predicted_ms, buckets}] measured, in order
+        self.samples = {}            # candidate -> [step ms, slowest rank]
+        self.alive = []              # candidates of the current round
+        self.round = 0
+        self.queue = []              # candidates still to measure in this round
+        self.current = None          # candidate whose layout is in force
+        self.to_skip = 0
+        self.pending = []            # this trial's samples (per rank, before the MAX)
+        self.last_forward = None
+        self.last_completed = None
+        self.incumbent = None
+        self.choice = None
+        self.model_info = None
+        self.considered = 0
+
+    # -- driven by forward ---------------------------------------------------------------------
+    def on_forward(self):
+        now = time.perf_counter()
+        reducer = self.model._reducer
+        completed = reducer.completed_steps()
+        if self.state == "done":
+            return
+        if self.state == "waiting":
+            if completed >= self.min_steps:
+                self._make_plan()
+                self.state = "measuring"
+                self._next_trial()
+                self.last_forward, self.last_completed = now, completed
+                self.steps_used = 1
+            return
+        # state == "measuring": the interval since the last forward was one step of `current`.
+        sample = (now - self.last_forward) * 1e3 if completed == self.last_completed + 1 else _INVALID
+        self.last_forward, self.last_completed = now, completed
+        if self.to_skip > 0:
+            self.to_skip -= 1
+        else:
+            self.pending.append(sample)
+        if len(self.pending) >= self.round_steps[self.round]:
+            self._finish_trial()
+            self._next_trial()
+        if self.state != "done":
+            self.steps_used += 1  # the step starting now is a tuning step
+
+    # -- planning ------------------------------------------------------------------------------
+    def _make_plan(self):
+        model = self.model
+        reducer = model._reducer
+        self.incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        info = ParamInfo(params)
+        latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group)
+        plan = None
+        if self.rank == 0:
+            plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us)
+        box = [plan]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        plan = box[0]
+        self.plan = plan["trials"]
+        self.model_info = plan["model"]
+        self.considered = plan["considered"]
+        self.current = self.incumbent  # in force now: measuring it needs no rebuild
+        self.alive = [tuple(t["candidate"]) for t in self.plan]
+        self.samples = {c: [] for c in self.alive}
+        self.round = 0
+        self.queue = list(self.alive)
+        log.debug("rank %d: autotune plan: %d layouts considered, measuring %s (model: %s)",
+                  self.rank, self.considered,
+                  [(t["candidate"], round(t["predicted_ms"], 2)) for t in self.plan], self.model_info)
+
+    def _rank0_plan(self, info, reducer, latency_us, bytes_per_us):
+        order = list(reducer.last_ready_order())
+        ready = list(reducer.last_ready_times())
+        history = reducer.history()
+        last = history[-1] if history else None
+        backward_end = last["backward_end_us"] if last else max(
+            (t for t in ready if not math.isnan(t)), default=0.0)
+        copy_rate = 1e4  # bytes per us (10 GB/s) unless the telemetry says otherwise
+        if last:
+            packed = [(b["bytes"], b["pack_us"]) for b in last["buckets"]
+                      if b["pack_us"] is not None and b["pack_us"] > 0]
+            if packed and sum(t for _, t in packed) > 0:
+                copy_rate = sum(n for n, _ in packed) / sum(t for _, t in packed)
+        cost = CostModel(latency_us, bytes_per_us, copy_rate)
+        grid = self.explicit or candidate_grid(info.group_bytes, self.incumbent)
+        if self.incumbent not in grid:
+            grid = [self.incumbent] + list(grid)
+        layouts = {}
+        for candidate in grid:  # one representative per distinct layout; the incumbent's wins
+            key = info.layout(order, candidate)
+            if key not in layouts or candidate == self.incumbent:
+                layouts[key] = candidate
+        # Predictions are offsets from the step observed with the layout in force (forward start
+        # to gradients written back), so that they read like measured step times.
+        current = tuple(tuple(b) for b in reducer.bucket_params())
+        observed_ms = (last["finalize_end_us"] - last["forward_us"]) / 1e3 if last else 0.0
+        base = [observed_ms - t / 1e3 for t in cost.predict_us(current, info.sizes, ready,
+                                                                backward_end)]
+        rows = {}
+        for key, candidate in layouts.items():
+            free, contended = cost.predict_us(key, info.sizes, ready, backward_end)
+            rows[candidate] = {"candidate": list(candidate), "predicted_ms": base[0] + free / 1e3,
+                               "predicted_contended_ms": base[1] + contended / 1e3,
+                               "buckets": len(key)}
+        # The shortlist: the incumbent, then the best of each reading in turn.
+        rankings = [sorted(rows, key=lambda c: (rows[c][field], rows[c]["buckets"], c))
+                    for field in ("predicted_ms", "predicted_contended_ms")]
+        size = self.max_candidates or (len(layouts) if self.explicit else
+                                       min(6, max(3, len(layouts) // 5)))
+        chosen = [self.incumbent]
+        for i in range(len(rows)):
+            for ranking in rankings:
+                if len(chosen) < size and ranking[i] not in chosen:
+                    chosen.append(ranking[i])
+        trials = [rows[c] for c in chosen]
+        return {"trials": trials, "considered": len(layouts),
+                "model": {"latency_us": latency_us, "bandwidth_GBps": bytes_per_us * 1e6 / 1e9,
+                          "copy_GBps": copy_rate * 1e6 / 1e9, "backward_us": backward_end}}
+
+    # -- measuring -----------------------------------------------------------------------------
+    def _set(self, candidate):
+        first, cap, last = candidate
+        self.model.first_bucket_bytes = first
+        self.model.bucket_cap_bytes = cap
+        self.model.last_bucket_bytes = last
+        self.current = candidate
+
+    def _next_trial(self):
+        if not self.queue:
+            self._end_round()
+            if self.state == "done":
+                return
+        candidate = self.queue.pop(0)
+        if candidate != self.current:
+            self._set(candidate)  # the rebuild happens in this forward's prepare_forward
+        # The trial's first step holds the rebuild and the tuner's own collectives: not timed.
+        self.to_skip = self.warmup_steps
+        self.pending = []
+
+    def _finish_trial(self):
+        agreed = torch.tensor(self.pending, dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        valid = [t for t in agreed.tolist() if t < _INVALID / 2]
+        self.samples[self.current].extend(valid)
+        log.debug("rank %d: autotune trial %s round %d: step ms %s", self.rank, self.current,
+                  self.round, [round(t, 2) for t in valid])
+        self.pending = []
+
+    def _median(self, candidate):
+        values = self.samples[candidate]
+        return statistics.median(values) if values else math.inf
+
+    def _end_round(self):
+        self.round += 1
+        challengers = sorted((c for c in self.alive if c != self.incumbent), key=self._median)
+        if self.round >= len(self.round_steps) or not challengers:
+            self._decide()
+            return
+        keep = max(1, len(challengers) // 2)  # successive halving; the incumbent always stays
+        self.alive = [self.incumbent] + challengers[:keep]
+        log.debug("rank %d: autotune round %d: keeping %s, dropping %s", self.rank, self.round,
+                  self.alive, challengers[keep:])
+        # Start the round with the configuration in force if it is still in: one rebuild fewer.
+        self.queue = sorted(self.alive, key=lambda c: c != self.current)
+
+    def _decide(self):
+        best = min((c for c in self.alive), key=self._median)
+        if best != self.incumbent and self._median(best) > (1 - self.margin) * self._median(self.incumbent):
+            best = self.incumbent  # not clearly faster: keep what the user had
+        box = [best]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        best = tuple(box[0])
+        self._set(best)
+        self.choice = best
+        self.state = "done"
+        if self.rank == 0:
+            log.info("autotune: chose first_bucket_bytes=%d bucket_cap_bytes=%d "
+                     "last_bucket_bytes=%d: %.2f ms per step (starting configuration %.2f ms), "
+                     "%d configurations measured in %d steps", best[0], best[1], best[2],
+                     self._median(best), self._median(self.incumbent), len(self.plan),
+                     self.steps_used)
+
+    # -- report --------------------------------------------------------------------------------
+    def report(self):
+        trials = []
+        for t in self.plan:
+            c = tuple(t["candidate"])
+            values = self.samples.get(c, [])
+            trials.append({"first_bucket_bytes": c[0], "bucket_cap_bytes": c[1],
+                           "last_bucket_bytes": c[2],
+                           "step_ms": statistics.median(values) if values else None,
+                           "samples_ms": list(values), "predicted_ms": t["predicted_ms"],
+                           "predicted_contended_ms": t["predicted_contended_ms"],
+                           "buckets": t["buckets"], "incumbent": c == self.incumbent})
+        choice = None
+        if self.choice is not None:
+            choice = {"first_bucket_bytes": self.choice[0], "bucket_cap_bytes": self.choice[1],
+                      "last_bucket_bytes": self.choice[2], "step_ms": self._median(self.choice)}
+        return {"done": self.state == "done", "state": self.state, "trials": trials,
+                "choice": choice, "steps_used": self.steps_used,
+                "configurations_considered": self.considered, "model": self.model_info,
+                "incumbent": None if self.incumbent is None else {
+                    "first_bucket_bytes": self.incumbent[0], "bucket_cap_bytes": self.incumbent[1],
+                    "last_bucket_bytes": self.incumbent[2]}}
