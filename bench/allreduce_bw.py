@@ -146,10 +146,8 @@ class FusedImpl(Impl):
         import fused_reducer
         self.timeout = timeout
         group = dist.group.WORLD
-        if hasattr(fused_reducer, "make_transport"):  # selects NCCL for CUDA in a CUDA build
-            self.transport = fused_reducer.make_transport(group, ctx.device, timeout_s=timeout)
-        else:  # early builds: the process-group transport only
-            self.transport = fused_reducer._C.make_transport(group)
+        # NCCL for CUDA tensors in a CUDA build, else the process group: as a FusedReducer would.
+        self.transport = fused_reducer.make_transport(group, ctx.device, timeout_s=timeout)
 
     def describe(self):
         return f"fused [{self.transport.name}]"
