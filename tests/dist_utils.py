@@ -77,3 +77,31 @@ def run_ranks(fn, world_size, *args, timeout=120):
     if errors:
         raise RankFailed("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def _run_checks(rank, world_size, checks):
+    import traceback as tb
+    results = {}
+    for fn in checks:
+        try:
+            results[fn.__name__] = ("ok", fn(rank, world_size))
+        except Exception as e:  # noqa: BLE001 - each check's error goes back to its test
+            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{tb.format_exc()}")
+        dist.barrier()
+    return results
+
+
+def run_checks(checks, world_size=2, timeout=180):
+    """Several checks fn(rank, world_size) in one spawn (spawning costs seconds): a check that
+    raises is recorded, not fatal, so each test can assert on its own check's outcome."""
+    return run_ranks(_run_checks, world_size, checks, timeout=timeout)
+
+
+def per_rank(outcomes, check):
+    """The results of `check` on every rank; fails the test with that rank's error otherwise."""
+    out = []
+    for rank, results in enumerate(outcomes):
+        status, payload = results[check]
+        assert status == "ok", f"rank {rank}: {payload}"
+        out.append(payload)
+    return out

@@ -7,7 +7,6 @@ re-statement of the rule and against gradient-ready orders observed with plain P
   ranks' ready orders differ; the limits in force are rank 0's;
 * a bucket is launched while backward is still running (reduction overlaps backward).
 """
-import traceback
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import run_ranks
+from dist_utils import per_rank, run_checks
 from test_bucket_assignment import reference_assign
 
 
@@ -119,29 +118,9 @@ def check_overlap(rank, world_size):
 CHECKS = [check_layout, check_overlap]
 
 
-def run_all(rank, world_size):
-    results = {}
-    for fn in CHECKS:
-        try:
-            results[fn.__name__] = ("ok", fn(rank, world_size))
-        except Exception as e:  # noqa: BLE001
-            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_ranks(run_all, 2, timeout=180)
-
-
-def per_rank(outcomes, check):
-    out = []
-    for rank, results in enumerate(outcomes):
-        status, payload = results[check]
-        assert status == "ok", f"rank {rank}: {payload}"
-        out.append(payload)
-    return out
+    return run_checks(CHECKS, 2, timeout=180)
 
 
 def test_initial_layout_is_reverse_registration_order(outcomes):

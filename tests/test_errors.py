@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 
 import fused_reducer
 from fused_reducer import FusedReducer
-from dist_utils import run_ranks, spawn_ranks
+from dist_utils import per_rank, run_checks, spawn_ranks
 
 ENV = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
 
@@ -219,29 +218,9 @@ CHECKS = [check_construction_arguments, check_setters, check_no_trainable_params
           check_unused_without_find_unused]
 
 
-def run_all(rank, world_size):
-    results = {}
-    for fn in CHECKS:
-        try:
-            results[fn.__name__] = ("ok", fn(rank, world_size))
-        except Exception as e:  # noqa: BLE001
-            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_ranks(run_all, 2, timeout=180)
-
-
-def per_rank(outcomes, check):
-    out = []
-    for rank, results in enumerate(outcomes):
-        status, payload = results[check]
-        assert status == "ok", f"rank {rank}: {payload}"
-        out.append(payload)
-    return out
+    return run_checks(CHECKS, 2, timeout=180)
 
 
 @pytest.mark.parametrize("arg", ["bucket_cap_mb", "first_bucket_mb"])
