@@ -170,6 +170,19 @@ void NcclTransport::wait_event(cudaEvent_t done, std::chrono::milliseconds timeo
 }
 
 std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum(at::Tensor& flat) {
+  return allreduce(flat, ncclSum);
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce_average(at::Tensor& flat) {
+  return allreduce(flat, ncclAvg);
+}
+
+bool NcclTransport::averages() const {
+  static const bool has_avg = nccl_version() >= 21000;  // ncclAvg arrived in NCCL 2.10
+  return has_avg;
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op) {
   TORCH_CHECK(flat.is_cuda() && flat.device().index() == device_ && flat.is_contiguous(),
               "FusedReducer: the NCCL transport reduces contiguous tensors on cuda:", device_,
               ", got ", flat.device(), flat.is_contiguous() ? "" : " (non-contiguous)");
@@ -185,7 +198,7 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum(at::Tensor& flat
   FR_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), filled, 0));
   FR_CUDA_CHECK(cudaEventDestroy(filled));  // destruction is deferred until it completes
   FR_NCCL_CHECK(ncclAllReduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), nccl_type(flat),
-                              ncclSum, comm_, stream_.stream()),
+                              op, comm_, stream_.stream()),
                 comm_);
   wait_until_enqueued("enqueuing an all-reduce", timeout_);
   FR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));

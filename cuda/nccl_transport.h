@@ -27,6 +27,8 @@ class NcclTransport : public Transport, public std::enable_shared_from_this<Nccl
   ~NcclTransport() override;
 
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
+  std::unique_ptr<PendingCollective> allreduce_average(at::Tensor& flat) override;
+  bool averages() const override;  // ncclAvg: NCCL >= 2.10
   std::string name() const override;
 
   // Blocks until `done` has happened on the device, polling the communicator
@@ -34,6 +36,7 @@ class NcclTransport : public Transport, public std::enable_shared_from_this<Nccl
   void wait_event(cudaEvent_t done, std::chrono::milliseconds timeout);
 
  private:
+  std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, ncclRedOp_t op);
   void wait_until_enqueued(const char* what, std::chrono::milliseconds timeout);
   [[noreturn]] void abort_and_throw(const std::string& why);
 

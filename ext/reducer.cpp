@@ -163,15 +163,17 @@ void Reducer::launch_ready_buckets() {
     pack_bucket(bucket);
     bucket.timing.launch_us = now_us();
     bucket.timing.pack_us = bucket.timing.launch_us - start;
-    bucket.collective = transport_->allreduce_sum(bucket.flat);
+    bucket.collective = transport_->averages() ? transport_->allreduce_average(bucket.flat)
+                                               : transport_->allreduce_sum(bucket.flat);
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;
   }
 }
 
-// grads -> flat, scaled by 1/world_size so that the sum is the average: one
-// fused copy per bucket. See Note [Bucket copies].
+// grads -> flat, scaled by 1/world_size so that the sum is the average (unless
+// the transport averages itself): one fused copy per bucket. See Note [Bucket copies].
 void Reducer::pack_bucket(Bucket& bucket) {
+  const double scale = transport_->averages() ? 1.0 : 1.0 / world_size_;
   std::vector<CopyJob> jobs;
   jobs.reserve(bucket.params.size());
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
@@ -179,14 +181,18 @@ void Reducer::pack_bucket(Bucket& bucket) {
     const at::Tensor& view = bucket.views[slot];
     if (!grad.defined()) {
       jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
+    } else if (grad.is_alias_of(view)) {
+      if (scale != 1.0) {
+        jobs.push_back({view, view});  // gradient_as_bucket_view: scale in place
+      }
     } else {
-      jobs.push_back({grad, view});  // grad may already be `view` (gradient_as_bucket_view)
-      if (options_.gradient_as_bucket_view && !grad.is_alias_of(view)) {
+      jobs.push_back({grad, view});
+      if (options_.gradient_as_bucket_view) {
         grad = view;  // from now on autograd accumulates straight into the bucket
       }
     }
   }
-  copy_launches_this_step_ += scaled_copy(jobs, 1.0 / world_size_);
+  copy_launches_this_step_ += scaled_copy(jobs, scale);
 }
 
 // flat -> param.grad, for gradients that are not views of the bucket. Only the
