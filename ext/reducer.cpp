@@ -381,12 +381,6 @@ void Reducer::wait_for_launched_quietly() {
 void Reducer::prepare_forward(bool will_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   forward_time_ = now_us();
-  if (!deferred_error_.empty()) {
-    std::string error = std::move(deferred_error_);
-    deferred_error_.clear();
-    reset_iteration();
-    TORCH_CHECK(false, error);
-  }
   if (ended_with_unready_ && !callback_queued_) {
     // The last backward ended before every parameter was ready. Buckets holding
     // them never completed: finish what was launched (every rank launched the

@@ -100,7 +100,7 @@ class Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   // Called by FusedReducer.forward before the wrapped module runs: raises the
-  // previous iteration's deferred error, applies a pending rebuild (a safe
+  // unused-parameter error of the previous backward, applies a pending rebuild (a safe
   // point: no gradient is in flight), and arms the hooks when `will_sync`.
   void prepare_forward(bool will_sync);
 
@@ -192,7 +192,6 @@ class Reducer {
   int64_t launched_this_step_ = 0;
   int64_t launched_bytes_this_step_ = 0;
   int64_t copy_launches_this_step_ = 0;
-  std::string deferred_error_;  // raised by the next prepare_forward
 
   // Layout state.
   std::vector<int64_t> last_ready_order_;  // from the last completed backward
