@@ -130,7 +130,8 @@ def check_tuning(rank, world_size):
 
 
 def check_autotune_method(rank, world_size):
-    """model.autotune() started mid-training with an explicit candidate list."""
+    """model.autotune() started mid-training with an explicit candidate list; each step
+    accumulates one micro-batch under no_sync() first (those forwards are not tuner steps)."""
     import fused_reducer
     fr = fused_reducer.FusedReducer(make_model(width=64, depth=4), first_bucket_mb=1)
     opt = torch.optim.SGD(fr.parameters(), lr=LR)
@@ -140,11 +141,38 @@ def check_autotune_method(rank, world_size):
     fr.autotune(candidates=candidates, round_steps=(1, 2))
     steps = 0
     while not fr.autotune_report()["done"]:
-        train_step(fr, opt, rank, 3 + steps, width=64)
+        opt.zero_grad(set_to_none=True)
+        for micro in range(2):
+            x, y = batch(rank, 100 * steps + micro, 64)
+            if micro == 0:
+                with fr.no_sync():
+                    ((fr(x) - y) ** 2).mean().backward()
+            else:
+                ((fr(x) - y) ** 2).mean().backward()
+        opt.step()
         steps += 1
         assert steps < 100, "autotune did not finish"
     return {"report": fr.autotune_report(), "steps": steps, "candidates": candidates,
             "limits": (fr.first_bucket_bytes, fr.bucket_cap_bytes, fr.last_bucket_bytes)}
+
+
+def check_finds_faster(rank, world_size):
+    """Start from a clearly slow configuration: one collective per parameter (40 of them, each
+    paying gloo's latency); the grid has layouts with one or two buckets."""
+    import fused_reducer
+    fr = fused_reducer.FusedReducer(make_model(width=16, depth=20), first_bucket_mb=1e-6,
+                                    bucket_cap_mb=1e-6, autotune=True)
+    opt = torch.optim.SGD(fr.parameters(), lr=LR)
+    start_buckets = None
+    step = 0
+    while not fr.autotune_report()["done"]:
+        train_step(fr, opt, rank, step, width=16)
+        start_buckets = start_buckets or len(fr.bucket_sizes())
+        step += 1
+        assert step < 100, "autotune did not finish"
+    train_step(fr, opt, rank, step, width=16)
+    return {"report": fr.autotune_report(), "start_buckets": start_buckets,
+            "buckets": len(fr.bucket_sizes()), "allreduces": fr.stats()["allreduces"]}
 
 
 def observe_ready_order(module):
@@ -222,7 +250,7 @@ def check_last_bucket(rank, world_size):
     return report
 
 
-CHECKS = [check_tuning, check_autotune_method, check_last_bucket]
+CHECKS = [check_tuning, check_autotune_method, check_finds_faster, check_last_bucket]
 
 
 def run_all(rank, world_size):
@@ -343,6 +371,17 @@ def test_autotune_method_with_explicit_candidates(outcomes):
                                c["last_bucket_bytes"])
         # 4 configurations x (1 warm-up + 1), then incumbent + 1 challenger x (1 + 2).
         assert rep["steps_used"] == 4 * 2 + 2 * 3
+
+
+def test_tuner_leaves_a_clearly_slow_configuration(outcomes):
+    for r in per_rank(outcomes, "check_finds_faster"):
+        rep = r["report"]
+        assert r["start_buckets"] == 40
+        incumbent = next(t for t in rep["trials"] if t["incumbent"])
+        assert incumbent["buckets"] == 40
+        assert (rep["choice"]["first_bucket_bytes"], rep["choice"]["bucket_cap_bytes"]) != (1, 1)
+        assert rep["choice"]["step_ms"] < incumbent["step_ms"]
+        assert r["buckets"] <= 2 and r["allreduces"] == r["buckets"]
 
 
 # -- telemetry and trace -----------------------------------------------------------------------

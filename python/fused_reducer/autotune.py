@@ -19,8 +19,9 @@ here runs per parameter. docs/TUNING.md describes it for users.
    `round_steps[r]` steps, forward to forward. Per step the slowest rank counts (one small MAX
    all-reduce per trial). After each round the better half of the challengers stays (median
    step time over all their samples); the incumbent always stays, as the reference.
-5. Decide (rank 0, broadcast): the fastest survivor, unless it is not at least `margin` faster
-   than the incumbent, in which case the incumbent stays. The choice becomes the value of the
+5. Decide (rank 0, broadcast): the fastest survivor, unless it does not beat the incumbent by
+   `margin` and by `z` standard errors of the difference (noise), in which case the incumbent
+   stays. The choice becomes the value of the
    properties (and so persists across rebuilds); one INFO line on the "fused_reducer" logger
    announces it.
 """
@@ -142,6 +143,10 @@ def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repe
     return latency_us, bytes_per_us
 
 
+def _finite(x):
+    return x if x is not None and math.isfinite(x) else None
+
+
 class Autotuner:
     """State machine driven by FusedReducer.forward; see the module docstring.
 
@@ -149,13 +154,16 @@ class Autotuner:
     None: a fifth of the distinct layouts, at least 3 and at most 6).
     round_steps: timed steps per trial in each successive-halving round (after one discarded
     warm-up step per trial); the number of rounds is len(round_steps).
-    margin: how much faster than the incumbent the best challenger must be to be chosen.
+    margin, z: the best challenger replaces the incumbent only if its median step time is lower
+    by more than `margin` (a fraction) and by more than `z` standard errors of the difference
+    (estimated from the samples' spread), so that measurement noise does not move a good
+    configuration.
     candidates: an explicit list of (first, cap, last) to choose from instead of the grid.
     min_steps: completed steps before tuning starts (ready order and times must be known).
     """
 
     def __init__(self, model, max_candidates=None, round_steps=(2, 4), warmup_steps=1,
-                 margin=0.02, candidates=None, min_steps=2):
+                 margin=0.02, z=2.0, candidates=None, min_steps=2):
         if max_candidates is not None and max_candidates < 2:
             raise ValueError(f"max_candidates must be >= 2, got {max_candidates}")
         if not round_steps or any(int(s) < 1 for s in round_steps):
@@ -165,6 +173,8 @@ class Autotuner:
         self.round_steps = [int(s) for s in round_steps]
         self.warmup_steps = int(warmup_steps)
         self.margin = float(margin)
+        self.z = float(z)
+        self.decision = None
         self.explicit = None if candidates is None else [tuple(int(v) for v in c) for c in candidates]
         self.min_steps = int(min_steps)
         self.group = model.process_group
@@ -188,11 +198,10 @@ class Autotuner:
 
     # -- driven by forward ---------------------------------------------------------------------
     def on_forward(self):
-        now = time.perf_counter()
-        reducer = self.model._reducer
-        completed = reducer.completed_steps()
         if self.state == "done":
             return
+        now = time.perf_counter()
+        completed = self.model._reducer.completed_steps()
         if self.state == "waiting":
             if completed >= self.min_steps:
                 self._make_plan()
@@ -335,10 +344,27 @@ class Autotuner:
         # Start the round with the configuration in force if it is still in: one rebuild fewer.
         self.queue = sorted(self.alive, key=lambda c: c != self.current)
 
+    def _stderr(self, candidate):
+        """Standard error of the median step time, from the samples' spread (MAD)."""
+        values = self.samples[candidate]
+        if len(values) < 2:
+            return math.inf
+        mid = statistics.median(values)
+        sigma = 1.4826 * statistics.median(abs(v - mid) for v in values)
+        return 1.2533 * sigma / math.sqrt(len(values))
+
     def _decide(self):
         best = min((c for c in self.alive), key=self._median)
-        if best != self.incumbent and self._median(best) > (1 - self.margin) * self._median(self.incumbent):
-            best = self.incumbent  # not clearly faster: keep what the user had
+        incumbent_ms = self._median(self.incumbent)
+        gain = incumbent_ms - self._median(best)
+        # A challenger must be faster by the margin and by twice the noise of the difference;
+        # otherwise it is not clearly faster and what the user had stays.
+        needed = max(self.margin * incumbent_ms,
+                     self.z * math.hypot(self._stderr(best), self._stderr(self.incumbent)))
+        self.decision = {"best_measured": list(best), "gain_ms": _finite(gain),
+                         "needed_ms": _finite(needed)}
+        if best != self.incumbent and not gain > needed:
+            best = self.incumbent
         box = [best]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         best = tuple(box[0])
@@ -347,10 +373,10 @@ class Autotuner:
         self.state = "done"
         if self.rank == 0:
             log.info("autotune: chose first_bucket_bytes=%d bucket_cap_bytes=%d "
-                     "last_bucket_bytes=%d: %.2f ms per step (starting configuration %.2f ms), "
-                     "%d configurations measured in %d steps", best[0], best[1], best[2],
-                     self._median(best), self._median(self.incumbent), len(self.plan),
-                     self.steps_used)
+                     "last_bucket_bytes=%d (%s): %.2f ms per step, starting configuration "
+                     "%.2f ms; %d configurations measured in %d steps", best[0], best[1], best[2],
+                     "the starting configuration" if best == self.incumbent else "faster",
+                     self._median(best), incumbent_ms, len(self.plan), self.steps_used)
 
     # -- report --------------------------------------------------------------------------------
     def report(self):
@@ -363,6 +389,7 @@ class Autotuner:
                            "step_ms": statistics.median(values) if values else None,
                            "samples_ms": list(values), "predicted_ms": t["predicted_ms"],
                            "predicted_contended_ms": t["predicted_contended_ms"],
+                           "stderr_ms": _finite(self._stderr(c)),
                            "buckets": t["buckets"], "incumbent": c == self.incumbent})
         choice = None
         if self.choice is not None:
@@ -371,6 +398,7 @@ class Autotuner:
         return {"done": self.state == "done", "state": self.state, "trials": trials,
                 "choice": choice, "steps_used": self.steps_used,
                 "configurations_considered": self.considered, "model": self.model_info,
+                "decision": self.decision,
                 "incumbent": None if self.incumbent is None else {
                     "first_bucket_bytes": self.incumbent[0], "bucket_cap_bytes": self.incumbent[1],
                     "last_bucket_bytes": self.incumbent[2]}}
