@@ -98,7 +98,6 @@ def sweep_candidates(model):
 
 
 def worker(ctx, args):
-    import fused_reducer
     d = step_bench.MODEL_DEFAULTS[args.model]
     spec = step_bench.ModelSpec(args.model, args.layers or d["layers"], args.hidden or d["hidden"],
                                 args.batch or d["batch"], args.seq or d["seq"], args.seed)

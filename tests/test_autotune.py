@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import tempfile
-import traceback
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import run_ranks
+from dist_utils import per_rank, run_checks
 from test_bucket_assignment import reference_assign
 
 TOL = 1e-5
@@ -253,29 +252,9 @@ def check_last_bucket(rank, world_size):
 CHECKS = [check_tuning, check_autotune_method, check_finds_faster, check_last_bucket]
 
 
-def run_all(rank, world_size):
-    results = {}
-    for fn in CHECKS:
-        try:
-            results[fn.__name__] = ("ok", fn(rank, world_size))
-        except Exception as e:  # noqa: BLE001
-            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_ranks(run_all, 2, timeout=240)
-
-
-def per_rank(outcomes, check):
-    out = []
-    for rank, results in enumerate(outcomes):
-        status, payload = results[check]
-        assert status == "ok", f"rank {rank}: {payload}"
-        out.append(payload)
-    return out
+    return run_checks(CHECKS, 2, timeout=240)
 
 
 # -- tuning ------------------------------------------------------------------------------------
