@@ -84,8 +84,9 @@ if with_cuda and cuda_sources:
         define_macros=[("FUSED_REDUCER_WITH_CUDA", "1"),
                        ("FUSED_REDUCER_CUDA_ARCH_LIST", '"' + os.environ["TORCH_CUDA_ARCH_LIST"] + '"')],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]},
-        # Link the very libnccl.so.2 torch loads, so one NCCL lives in the process.
-        extra_link_args=[nccl_so, f"-Wl,-rpath,{nccl_lib}"],
+        # Link the very libnccl.so.2 torch loads, so one NCCL lives in the process: found next to
+        # the installed package (site-packages/nvidia/nccl/lib), else where it was at build time.
+        extra_link_args=[nccl_so, "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"],
     )
 else:
     if not with_cuda:
