@@ -7,7 +7,6 @@ Scenario of the issue: 8 x Linear(512, 512) (8.4 MB of fp32 gradients), 2 gloo r
 default, and 1 per step once the first bucket is 16 MiB, however that value was set.
 """
 import os
-import traceback
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import run_ranks
+from dist_utils import per_rank, run_checks
 
 ALLREDUCE_EVENT = "c10d::allreduce_"
 MiB = 1 << 20
@@ -55,7 +54,7 @@ def train(model, rank, steps, report):
                                                    stats["first_bucket_bytes"]))
 
 
-def scenario_event_name(rank):
+def scenario_event_name(rank, world_size):
     events = {}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         dist.all_reduce(torch.ones(8))
@@ -63,27 +62,27 @@ def scenario_event_name(rank):
     return events
 
 
-def scenario_ddp_default(rank):
+def scenario_ddp_default(rank, world_size):
     report = {}
     train(nn.parallel.DistributedDataParallel(make_model()), rank, STEPS, report)
     return report
 
 
-def scenario_fr_default(rank):
+def scenario_fr_default(rank, world_size):
     import fused_reducer
     report = {}
     train(fused_reducer.FusedReducer(make_model()), rank, STEPS, report)
     return report
 
 
-def scenario_fr_first_bucket_at_construction(rank):
+def scenario_fr_first_bucket_at_construction(rank, world_size):
     import fused_reducer
     report = {}
     train(fused_reducer.FusedReducer(make_model(), first_bucket_mb=16), rank, STEPS, report)
     return report
 
 
-def scenario_fr_process_default(rank):
+def scenario_fr_process_default(rank, world_size):
     import fused_reducer
     from fused_reducer import settings
     report = {}
@@ -100,7 +99,7 @@ def scenario_fr_process_default(rank):
     return report
 
 
-def scenario_fr_env_var(rank):
+def scenario_fr_env_var(rank, world_size):
     import fused_reducer
     report = {}
     os.environ["FUSED_REDUCER_FIRST_BUCKET_BYTES"] = str(SIXTEEN_MIB)
@@ -113,7 +112,7 @@ def scenario_fr_env_var(rank):
     return report
 
 
-def scenario_fr_runtime(rank):
+def scenario_fr_runtime(rank, world_size):
     import fused_reducer
     report = {}
     model = fused_reducer.FusedReducer(make_model())
@@ -126,7 +125,7 @@ def scenario_fr_runtime(rank):
     return report
 
 
-def scenario_ddp_plain_event(rank):
+def scenario_ddp_plain_event(rank, world_size):
     """The event name also appears for DDP's own collectives (sanity for the counting method)."""
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -139,30 +138,9 @@ SCENARIOS = [scenario_event_name, scenario_ddp_plain_event, scenario_ddp_default
              scenario_fr_runtime, scenario_fr_process_default]
 
 
-def run_all(rank, world_size):
-    results = {}
-    for fn in SCENARIOS:
-        name = fn.__name__[len("scenario_"):]
-        try:
-            results[name] = ("ok", fn(rank))
-        except Exception as e:  # noqa: BLE001
-            results[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_ranks(run_all, 2, timeout=300)
-
-
-def reports(outcomes, name):
-    out = []
-    for rank, results in enumerate(outcomes):
-        status, payload = results[name]
-        assert status == "ok", f"rank {rank}: {payload}"
-        out.append(payload)
-    return out
+    return run_checks(SCENARIOS, 2, timeout=300)
 
 
 def check_stats_agree(report):
@@ -171,19 +149,19 @@ def check_stats_agree(report):
 
 
 def test_profiler_names_c10d_allreduce_for_plain_all_reduce_and_ddp(outcomes):
-    for r in reports(outcomes, "event_name"):
+    for r in per_rank(outcomes, "scenario_event_name"):
         assert ALLREDUCE_EVENT in r["plain"]
-    for r in reports(outcomes, "ddp_plain_event"):
+    for r in per_rank(outcomes, "scenario_ddp_plain_event"):
         assert ALLREDUCE_EVENT in r
 
 
 def test_ddp_reference_does_two_allreduces_per_step_after_its_rebuild(outcomes):
-    for r in reports(outcomes, "ddp_default"):
+    for r in per_rank(outcomes, "scenario_ddp_default"):
         assert r["profiled"][1:] == [2] * (STEPS - 1)
 
 
 def test_fused_reducer_default_does_two_allreduces_per_step_after_rebuild(outcomes):
-    for r in reports(outcomes, "fr_default"):
+    for r in per_rank(outcomes, "scenario_fr_default"):
         assert r["profiled"][1:] == [2] * (STEPS - 1)
         check_stats_agree(r)
         assert all(sum(s) == GRAD_BYTES for s in r["sizes"])
@@ -191,14 +169,14 @@ def test_fused_reducer_default_does_two_allreduces_per_step_after_rebuild(outcom
 
 
 def test_first_bucket_16mib_at_construction_gives_one_allreduce_per_step(outcomes):
-    for r in reports(outcomes, "fr_first_bucket_at_construction"):
+    for r in per_rank(outcomes, "scenario_fr_first_bucket_at_construction"):
         assert r["profiled"] == [1] * STEPS
         check_stats_agree(r)
         assert r["sizes"][-1] == [GRAD_BYTES]
 
 
 def test_process_wide_default_16mib_gives_one_allreduce_per_step_also_after_rebuild(outcomes):
-    for r in reports(outcomes, "fr_process_default"):
+    for r in per_rank(outcomes, "scenario_fr_process_default"):
         assert r["default"] == SIXTEEN_MIB
         assert r["profiled"] == [1] * (STEPS + 1)
         check_stats_agree(r)
@@ -208,7 +186,7 @@ def test_process_wide_default_16mib_gives_one_allreduce_per_step_also_after_rebu
 
 
 def test_env_var_first_bucket_16mib_gives_one_allreduce_per_step(outcomes):
-    for r in reports(outcomes, "fr_env_var"):
+    for r in per_rank(outcomes, "scenario_fr_env_var"):
         assert r["default"] == SIXTEEN_MIB
         assert r["profiled"] == [1] * STEPS
         check_stats_agree(r)
@@ -216,7 +194,7 @@ def test_env_var_first_bucket_16mib_gives_one_allreduce_per_step(outcomes):
 
 
 def test_runtime_first_bucket_change_gives_one_allreduce_and_survives_forced_rebuilds(outcomes):
-    for r in reports(outcomes, "fr_runtime"):
+    for r in per_rank(outcomes, "scenario_fr_runtime"):
         # steps 0-2 default, 3-4 after the change, 5-6 and 7-8 after each forced rebuild
         assert r["profiled"][1:3] == [2, 2]
         assert r["profiled"][3:] == [1] * 6
