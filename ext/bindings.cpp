@@ -41,6 +41,41 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                    at::Device(control_device), std::move(transport), options);
 }
 
+// A communication hook's collective: `finish` (Python) waits on the hook's
+// future and writes its result into the bucket. Python objects are touched
+// only with the GIL held, whichever thread finishes the backward.
+class PendingPythonHook : public fused_reducer::PendingCollective {
+ public:
+  explicit PendingPythonHook(py::object finish) : finish_(std::move(finish)) {}
+  ~PendingPythonHook() override {
+    py::gil_scoped_acquire gil;
+    finish_ = py::object();
+  }
+  void wait(std::chrono::milliseconds /*timeout: the hook's own collectives bound it*/) override {
+    py::gil_scoped_acquire gil;
+    finish_();
+  }
+
+ private:
+  py::object finish_;
+};
+
+// `launch(index, is_last, flat, views, params)` (Python) calls the user's hook
+// and returns the `finish` callable above.
+fused_reducer::CommHook python_comm_hook(py::object launch) {
+  std::shared_ptr<py::object> holder(new py::object(std::move(launch)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [holder](int64_t index, bool is_last, const at::Tensor& flat,
+                  const std::vector<at::Tensor>& views, const std::vector<int64_t>& params)
+             -> std::unique_ptr<fused_reducer::PendingCollective> {
+    py::gil_scoped_acquire gil;
+    py::object finish = (*holder)(index, is_last, flat, views, params);
+    return std::make_unique<PendingPythonHook>(std::move(finish));
+  };
+}
+
 // NaN (a time that was never taken) -> None.
 py::object time_or_none(double us) {
   return std::isnan(us) ? py::none() : py::object(py::float_(us));
@@ -140,6 +175,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_sync_enabled", &Reducer::set_sync_enabled)
+      .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("ranks"))
+      .def("set_comm_hook",
+           [](Reducer& reducer, py::object launch) {
+             reducer.set_comm_hook(python_comm_hook(std::move(launch)));
+           },
+           py::arg("launch"))
+      .def("has_comm_hook", &Reducer::has_comm_hook)
+      .def("zero_buckets",
+           [](const Reducer& reducer) {
+             py::list out;
+             for (const auto& zero : reducer.zero_buckets()) {
+               out.append(py::make_tuple(zero.flat, zero.views, zero.params, zero.is_last));
+             }
+             return out;
+           },
+           "Per bucket in launch order: (zeros like the flat buffer, its views, parameter "
+           "indices, is_last), for a joined rank to shadow the others' reduction.")
+      .def("note_shadowed_step", &Reducer::note_shadowed_step)
+      .def("bucket_numels", &Reducer::bucket_numels)
       .def("request_rebuild", &Reducer::request_rebuild)
       .def_property("first_bucket_bytes", &Reducer::first_bucket_bytes,
                     &Reducer::set_first_bucket_bytes)

@@ -1,8 +1,10 @@
 #include "bucket_copy.h"
 
 #include <ATen/ScalarOps.h>
+#include <ATen/core/grad_mode.h>
 
 #ifdef FUSED_REDUCER_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "multi_tensor_copy.h"
@@ -22,27 +24,41 @@ bool fused_dtype(at::ScalarType type, cuda::DType* out) {
   }
 }
 
-// One launch for all jobs, or -1 when some tensor does not fit the fused kernel.
-int64_t try_fused_copy(const std::vector<CopyJob>& jobs, double scale) {
+// Both sides one dense block in the same element order (contiguous, or the
+// same strides such as channels_last), of the fused dtype, on `device`.
+bool fits_fused_kernel(const CopyJob& job, at::ScalarType type, at::Device device) {
+  const at::Tensor& dst = job.dst;
+  if (dst.scalar_type() != type || dst.device() != device || !dst.is_non_overlapping_and_dense()) {
+    return false;
+  }
+  const at::Tensor& src = job.src;
+  return !src.defined() ||
+         (src.scalar_type() == type && src.device() == device && src.sizes() == dst.sizes() &&
+          src.strides() == dst.strides());
+}
+
+// Fused launches for the jobs that fit the kernel; the others are left in `rest`.
+int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<CopyJob>* rest) {
   const at::Tensor& first = jobs.front().dst;
   cuda::DType dtype;
   if (!first.is_cuda() || !fused_dtype(first.scalar_type(), &dtype)) {
-    return -1;
+    *rest = jobs;
+    return 0;
   }
   std::vector<cuda::CopySegment> segments;
   segments.reserve(jobs.size());
   for (const auto& job : jobs) {
-    const bool dst_ok = job.dst.is_contiguous() && job.dst.scalar_type() == first.scalar_type() &&
-                        job.dst.device() == first.device();
-    const bool src_ok = !job.src.defined() ||
-                        (job.src.is_contiguous() && job.src.scalar_type() == first.scalar_type() &&
-                         job.src.device() == first.device() && job.src.numel() == job.dst.numel());
-    if (!dst_ok || !src_ok) {
-      return -1;
+    if (fits_fused_kernel(job, first.scalar_type(), first.device())) {
+      segments.push_back({job.src.defined() ? job.src.data_ptr() : nullptr, job.dst.data_ptr(),
+                          job.dst.numel()});
+    } else {
+      rest->push_back(job);  // falls back per segment, not per bucket
     }
-    segments.push_back({job.src.defined() ? job.src.data_ptr() : nullptr, job.dst.data_ptr(),
-                        job.dst.numel()});
   }
+  if (segments.empty()) {
+    return 0;
+  }
+  c10::cuda::CUDAGuard guard(first.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(first.device().index());
   return cuda::scaled_copy(segments, dtype, scale, stream.stream());
 }
@@ -54,14 +70,18 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
   if (jobs.empty()) {
     return 0;
   }
+  // loss.backward(create_graph=True) gives gradients with history; the bucket
+  // copies must not extend it.
+  at::NoGradGuard no_grad;
+  int64_t launches = 0;
+  std::vector<CopyJob> rest;
 #ifdef FUSED_REDUCER_WITH_CUDA
-  const int64_t launches = try_fused_copy(jobs, scale);
-  if (launches >= 0) {
-    return launches;
-  }
+  launches = fused_copy(jobs, scale, &rest);
+#else
+  rest = jobs;
 #endif
   const auto scale_tensor = at::native::wrapped_scalar_tensor(scale);
-  for (const auto& job : jobs) {
+  for (const auto& job : rest) {
     at::Tensor dst = job.dst;
     if (!job.src.defined()) {
       dst.zero_();
@@ -71,7 +91,7 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
       at::mul_out(dst, job.src, scale_tensor);
     }
   }
-  return 0;
+  return launches;
 }
 
 }  // namespace fused_reducer

@@ -13,11 +13,12 @@ struct CopyJob {
 };
 
 // Note [Bucket copies]
-// dst = src * scale for every job. On CUDA, when every tensor is contiguous and
-// of one supported dtype, this is ONE fused kernel launch on the current stream
-// (cuda/multi_tensor_copy.cu) instead of DDP's launch per parameter; otherwise,
-// and on CPU, one ATen op per tensor. Returns the number of CUDA kernel
-// launches made by the fused path (0 on the per-tensor path).
+// dst = src * scale for every job. On CUDA, the jobs whose two sides are dense
+// blocks of one layout (contiguous, or equal strides such as channels_last)
+// and of one supported dtype move in ONE fused kernel launch on the current
+// stream (cuda/multi_tensor_copy.cu) instead of DDP's launch per parameter;
+// any other job, and every job on CPU, is one ATen op. Copies never record
+// autograd history. Returns the number of fused CUDA kernel launches.
 int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale);
 
 }  // namespace fused_reducer

@@ -20,6 +20,17 @@ constexpr const char* kFindUnusedHint =
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+// Note [Slot layout]
+// Every parameter's slot in a bucket starts at a multiple of kSlotAlignBytes
+// (padding is zeros and is reduced with the rest), so the fused copy kernel
+// takes its 16-byte vector path for every slot, not only the first; the
+// offsets depend only on the parameters' sizes, so they are identical on every
+// rank. A slot has the parameter's own strides when the parameter is dense and
+// non-overlapping (channels_last included, as in DDP), so a gradient that
+// follows autograd's layout contract copies as one contiguous block, and
+// gradient_as_bucket_view keeps the parameter's memory format.
+constexpr int64_t kSlotAlignBytes = 16;
+
 // Steady-clock microseconds. See Note [Step telemetry].
 double now_us() {
   return std::chrono::duration<double, std::micro>(
@@ -70,7 +81,9 @@ Reducer::Reducer(std::vector<at::Tensor> params,
     auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
     auto it = groups.emplace(key, static_cast<int64_t>(groups.size())).first;
     infos_.push_back({static_cast<int64_t>(p.numel() * p.element_size()), it->second});
+    param_options_.push_back(p.options());
   }
+  locally_used_.assign(params_.size(), 0);
 
   // Before any gradient was seen, expect them in reverse registration order.
   std::vector<int64_t> order(params_.size());
@@ -112,15 +125,18 @@ void Reducer::install_hooks() {
 void Reducer::on_gradient_ready(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!sync_enabled_) {
-    return;  // no_sync(): the gradient stays in param.grad
+    // no_sync(): the gradient stays in param.grad; remember that it was used,
+    // for the find_unused_parameters map of the next synchronised step.
+    if (params_[index].grad().defined()) {
+      locally_used_[index] = 1;
+    }
+    return;
   }
   if (!expect_hooks_) {
-    TORCH_CHECK(!finished_since_forward_,
-                "FusedReducer: parameter '", names_[index], "' (index ", index,
-                ") was marked ready twice: a second backward ran through the graph of one "
-                "forward after its gradients were already averaged. Run forward before each "
-                "backward, or do the extra backward inside no_sync().");
-    return;  // the wrapped module was called directly, not through FusedReducer
+    // A backward that no synchronised FusedReducer.forward armed (the wrapped
+    // module called directly, or a second backward through one graph): like
+    // DDP, its gradients stay local.
+    return;
   }
   TORCH_CHECK(!ready_[index],
               "FusedReducer: parameter '", names_[index], "' (index ", index,
@@ -142,6 +158,9 @@ void Reducer::on_gradient_ready(int64_t index) {
     step_origin_ = now;
   }
   ready_[index] = 1;
+  if (grad.defined()) {
+    locally_used_[index] = 1;
+  }
   ready_order_.push_back(index);
   ready_time_[index] = now;
   Bucket& bucket = buckets_[bucket_of_[index]];
@@ -163,17 +182,35 @@ void Reducer::launch_ready_buckets() {
     pack_bucket(bucket);
     bucket.timing.launch_us = now_us();
     bucket.timing.pack_us = bucket.timing.launch_us - start;
-    bucket.collective = transport_->averages() ? transport_->allreduce_average(bucket.flat)
-                                               : transport_->allreduce_sum(bucket.flat);
+    if (comm_hook_) {
+      const auto index = static_cast<int64_t>(next_to_launch_ - 1);
+      bucket.collective = comm_hook_(index, next_to_launch_ == buckets_.size(), bucket.flat,
+                                     bucket.views, bucket.params);
+    } else if (gradient_scale() == 1.0 && transport_->averages() && world_size_ > 1) {
+      bucket.collective = transport_->allreduce_average(bucket.flat);
+    } else {
+      bucket.collective = transport_->allreduce_sum(bucket.flat);
+    }
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;
   }
 }
 
-// grads -> flat, scaled by 1/world_size so that the sum is the average (unless
-// the transport averages itself): one fused copy per bucket. See Note [Bucket copies].
+// What pack_bucket multiplies gradients by so that the sum is the average:
+// 1 when a communication hook averages (DDP's hooks divide themselves) or the
+// transport averages natively over the whole world (ncclAvg).
+double Reducer::gradient_scale() const {
+  const int64_t divisor = divide_factor_ > 0 ? divide_factor_ : world_size_;
+  if (comm_hook_ || (transport_->averages() && divisor == world_size_)) {
+    return 1.0;
+  }
+  return 1.0 / static_cast<double>(divisor);
+}
+
+// grads -> flat, scaled by gradient_scale() so that the sum is the average:
+// one fused copy per bucket. See Note [Bucket copies].
 void Reducer::pack_bucket(Bucket& bucket) {
-  const double scale = transport_->averages() ? 1.0 : 1.0 / world_size_;
+  const double scale = gradient_scale();
   std::vector<CopyJob> jobs;
   jobs.reserve(bucket.params.size());
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
@@ -257,7 +294,7 @@ void Reducer::finalize_backward() {
     launch_ready_buckets();
     // Which parameters were used on any rank: only those get a gradient.
     at::Tensor used = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
-    std::copy(ready_.begin(), ready_.end(), used.data_ptr<int32_t>());
+    std::copy(locally_used_.begin(), locally_used_.end(), used.data_ptr<int32_t>());
     used = used.to(params_.front().device());
     auto pending = transport_->allreduce_sum(used);
     launched_this_step_ += 1;
@@ -283,6 +320,7 @@ void Reducer::finalize_backward() {
     unpack_bucket(buckets_[b], [used](int64_t index) { return used == nullptr || used[index] != 0; });
   }
 
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
   stats_.step += 1;
   stats_.allreduces = launched_this_step_;
   stats_.allreduce_bytes = launched_bytes_this_step_;
@@ -381,6 +419,7 @@ void Reducer::wait_for_launched_quietly() {
 void Reducer::prepare_forward(bool will_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   forward_time_ = now_us();
+  check_params_unchanged();
   if (ended_with_unready_ && !callback_queued_) {
     // The last backward ended before every parameter was ready. Buckets holding
     // them never completed: finish what was launched (every rank launched the
@@ -492,18 +531,23 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets[b];
     bucket.params = assignment[b];
+    const auto& first = params_[bucket.params.front()];
+    // See Note [Slot layout].
+    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / first.element_size());
+    std::vector<int64_t> offsets;
     int64_t numel = 0;
     for (int64_t index : bucket.params) {
-      numel += params_[index].numel();
+      offsets.push_back(numel);
+      numel += (params_[index].numel() + align - 1) / align * align;
     }
-    const auto& first = params_[bucket.params.front()];
     bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
-    int64_t offset = 0;
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const int64_t index = bucket.params[slot];
       const auto& param = params_[index];
-      bucket.views.push_back(bucket.flat.narrow(0, offset, param.numel()).view(param.sizes()));
-      offset += param.numel();
+      bucket.views.push_back(
+          param.is_non_overlapping_and_dense()
+              ? bucket.flat.as_strided(param.sizes(), param.strides(), offsets[slot])
+              : bucket.flat.narrow(0, offsets[slot], param.numel()).view(param.sizes()));
       bucket.bytes += infos_[index].bytes;
       bucket_of_[index] = static_cast<int64_t>(b);
       slot_of_[index] = static_cast<int64_t>(slot);
@@ -574,6 +618,72 @@ void Reducer::set_sync_enabled(bool enabled) {
   sync_enabled_ = enabled;
 }
 
+void Reducer::set_divide_factor(int64_t ranks) {
+  TORCH_CHECK(ranks >= 0 && ranks <= world_size_, "FusedReducer: divide factor must be between 1 "
+              "and the world size (", world_size_, "), or 0 for the world size; got ", ranks);
+  std::lock_guard<std::mutex> lock(mutex_);
+  divide_factor_ = ranks;
+}
+
+void Reducer::set_comm_hook(CommHook hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  comm_hook_ = std::move(hook);
+}
+
+bool Reducer::has_comm_hook() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(comm_hook_);
+}
+
+std::vector<ZeroBucket> Reducer::zero_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<ZeroBucket> result;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
+    ZeroBucket zero;
+    zero.flat = at::zeros_like(bucket.flat);
+    for (const auto& view : bucket.views) {
+      zero.views.push_back(zero.flat.as_strided(view.sizes(), view.strides(),
+                                                view.storage_offset() - bucket.flat.storage_offset()));
+    }
+    zero.params = bucket.params;
+    zero.is_last = b + 1 == buckets_.size();
+    result.push_back(std::move(zero));
+  }
+  return result;
+}
+
+// A joined rank shadowed one step of the others: if that was their first, they
+// rebuild at their next forward, and so must this rank (it receives rank 0's
+// layout like everyone else).
+void Reducer::note_shadowed_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  if (!rebuilt_after_first_step_) {
+    rebuilt_after_first_step_ = true;
+    rebuild_pending_ = true;
+    if (last_ready_order_.empty()) {
+      last_ready_order_ = observed_order();
+    }
+  }
+}
+
+// Casting or moving the model after construction would leave the buckets (and
+// the hooks, which autograd drops with a new dtype) behind: refuse, like a
+// user error, instead of reducing the wrong tensors.
+void Reducer::check_params_unchanged() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& param = params_[i];
+    const auto& expected = param_options_[i];
+    TORCH_CHECK(param.scalar_type() == expected.dtype().toScalarType() &&
+                    param.device() == expected.device(),
+                "FusedReducer: parameter '", names_[i], "' is now ", param.scalar_type(), " on ",
+                param.device(), " but was ", expected.dtype(), " on ", expected.device(),
+                " when FusedReducer was constructed. Move or cast the model (.to(), .cuda(), "
+                ".double(), ...) before wrapping it, as with DistributedDataParallel.");
+  }
+}
+
 std::vector<int64_t> Reducer::bucket_sizes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int64_t> sizes;
@@ -581,6 +691,15 @@ std::vector<int64_t> Reducer::bucket_sizes() const {
     sizes.push_back(bucket.bytes);
   }
   return sizes;
+}
+
+std::vector<int64_t> Reducer::bucket_numels() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> numels;
+  for (const auto& bucket : buckets_) {
+    numels.push_back(bucket.flat.numel());
+  }
+  return numels;
 }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_params() const {

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -85,6 +86,24 @@ struct StepTiming {
   std::vector<BucketTiming> buckets;
 };
 
+// A DDP communication hook, adapted by the bindings: called (instead of the
+// transport) when a bucket is complete, with the bucket's index, whether it is
+// the last bucket of the step, its flat buffer (gradients unscaled: the hook
+// averages), its per-parameter views and parameter indices. The returned
+// collective's wait() leaves the reduced result in `flat`.
+using CommHook = std::function<std::unique_ptr<PendingCollective>(
+    int64_t index, bool is_last, const at::Tensor& flat, const std::vector<at::Tensor>& views,
+    const std::vector<int64_t>& params)>;
+
+// What a rank that ran out of inputs reduces in place of a bucket (join):
+// zeros shaped like the bucket. See FusedReducer.join.
+struct ZeroBucket {
+  at::Tensor flat;
+  std::vector<at::Tensor> views;
+  std::vector<int64_t> params;
+  bool is_last = false;
+};
+
 class Reducer {
  public:
   // `group` carries control messages (the layout broadcast from rank 0) as
@@ -118,7 +137,21 @@ class Reducer {
   // next synchronised backward reduces the accumulated sum.
   void set_sync_enabled(bool enabled);
 
+  // Gradients are divided by this many ranks (0: the world size). Join with
+  // divide_by_initial_world_size=False sets the number of ranks not joined.
+  void set_divide_factor(int64_t ranks);
+
+  // Replaces the transport for every bucket from the next launch on.
+  void set_comm_hook(CommHook hook);
+  bool has_comm_hook() const;
+
+  // Join: the buckets a joined rank reduces to shadow one step of the others,
+  // and the bookkeeping of that shadowed step (the rebuild after the first).
+  std::vector<ZeroBucket> zero_buckets() const;
+  void note_shadowed_step();
+
   std::vector<int64_t> bucket_sizes() const;              // bytes, launch order
+  std::vector<int64_t> bucket_numels() const;             // elements of each flat buffer
   std::vector<std::vector<int64_t>> bucket_params() const;  // parameter indices
   ReducerStats stats() const;
 
@@ -135,7 +168,7 @@ class Reducer {
   struct Bucket {
     at::Tensor flat;                  // the contiguous buffer the collective reduces
     std::vector<int64_t> params;      // parameter indices, in ready order
-    std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
+    std::vector<at::Tensor> views;    // views of `flat` shaped (and strided) like each parameter
     int64_t bytes = 0;
     int64_t pending = 0;              // parameters not ready yet this iteration
     std::unique_ptr<PendingCollective> collective;
@@ -152,6 +185,8 @@ class Reducer {
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
   void build_buckets(const std::vector<int64_t>& order);
+  void check_params_unchanged() const;
+  double gradient_scale() const;
   void rebuild_from_rank0();
   void reset_iteration();
   void record_step(double backward_end, double finalize_end);
@@ -161,6 +196,7 @@ class Reducer {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<TensorInfo> infos_;
+  std::vector<at::TensorOptions> param_options_;  // dtype and device at construction
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device control_device_;
   std::shared_ptr<Transport> transport_;
@@ -186,7 +222,12 @@ class Reducer {
   bool callback_queued_ = false;
   bool ended_with_unready_ = false;      // a backward ended with parameters not ready yet
   bool sync_enabled_ = true;
+  int64_t divide_factor_ = 0;             // 0: world size
+  CommHook comm_hook_;
   std::vector<char> ready_;
+  // find_unused_parameters: parameters that got a defined gradient since the
+  // last synchronised step, no_sync() steps included (DDP's local_used_map).
+  std::vector<char> locally_used_;
   std::vector<int64_t> ready_order_;
   size_t next_to_launch_ = 0;
   int64_t launched_this_step_ = 0;

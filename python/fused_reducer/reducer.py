@@ -12,18 +12,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _C
+from .comm_hooks import GradBucket, check_hook, run_hook
+from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import make_transport, resolve_backend
 from .settings import check_bytes, get_default_first_bucket_bytes, megabytes_to_bytes
 
 _log = logging.getLogger("fused_reducer")
+
+
+class FusedReducerError(RuntimeError, ValueError):
+    """A model or setting FusedReducer cannot reduce. A RuntimeError where DDP raises one, and
+    a ValueError as earlier releases of FusedReducer raised."""
+
 DEBUG_ENV = "FUSED_REDUCER_DEBUG"
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
 
 
-class FusedReducer(nn.Module):
+class FusedReducer(nn.Module, Joinable):
     """Data-parallel wrapper: after ``loss.backward()`` every ``param.grad`` holds the average over
     the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
     and the cap stay tunable while training: set ``first_bucket_bytes`` / ``bucket_cap_bytes`` and
@@ -39,13 +48,25 @@ class FusedReducer(nn.Module):
     limits are then measured and chosen while training goes on (docs/TUNING.md).
     ``FUSED_REDUCER_DEBUG=1`` logs layout changes, rebuilds and tuning decisions to the
     ``fused_reducer`` logger.
+
+    As a drop-in for DDP: ``state_dict()`` keys carry DDP's ``module.`` prefix, ``no_sync()``,
+    ``join()`` (uneven inputs) and ``register_comm_hook()`` (DDP's hooks) behave as DDP's, and
+    the bookkeeping in ``forward`` stays out of ``torch.compile``'s graph. Pickling drops the
+    process group and the reducer; the first forward after unpickling attaches them again
+    (collective). See docs/DDP_MIGRATION.md.
     """
 
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
                  broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10),
-                 last_bucket_mb=None, autotune=False):
+                 last_bucket_mb=None, autotune=False, static_graph=False):
         super().__init__()
+        Joinable.__init__(self)
+        if static_graph:
+            raise FusedReducerError(
+                "FusedReducer: static_graph=True is not supported. It is not needed for "
+                "reentrant activation checkpointing, which FusedReducer handles without it; for "
+                "parameters unused in forward, pass find_unused_parameters=True instead.")
         cap_bytes = megabytes_to_bytes("bucket_cap_mb", bucket_cap_mb)
         first_bytes = (get_default_first_bucket_bytes() if first_bucket_mb is None
                        else megabytes_to_bytes("first_bucket_mb", first_bucket_mb))
@@ -63,50 +84,182 @@ class FusedReducer(nn.Module):
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("FusedReducer: the module has no trainable parameters "
+            raise FusedReducerError("FusedReducer: the module has no trainable parameters "
                              "(none with requires_grad=True); there is nothing to reduce")
         _refuse_sparse_gradients(module)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         devices = {p.device for p in params}
         if len(devices) != 1:
-            raise ValueError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
+            raise FusedReducerError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
                              "like DDP, each process must hold its replica on one device")
         self.device = devices.pop()
         self.backend = resolve_backend(backend, self.device)
-        self._control_device = _control_device(self.process_group, params)
-
-        _verify_same_model(self.process_group, self._param_names, params, self._control_device)
-        self._buffers = [b for b in module.buffers()]
-        _broadcast_from_rank0(self.process_group, params + self._buffers)
-
-        transport = make_transport(self.process_group, self.device, self.backend, timeout_s)
-        self._transport = transport  # the autotuner's probe times this same transport
-        self._reducer = _C.Reducer(
-            params, self._param_names, self.process_group, str(self._control_device), transport,
-            first_bytes, cap_bytes, gradient_as_bucket_view, find_unused_parameters, timeout_s,
-            last_bytes)
+        self._timeout_s = timeout_s
+        self._limits = (first_bytes, cap_bytes, last_bytes)  # kept for re-attaching after pickling
         self._syncing = True
+        self._require_forward_param_sync = True  # DDP: buffers sync unless the last forward didn't
+        self._divide_by_initial_world_size = True
+        self._divide_factor = 0
+        self._comm_hook = None  # (state, hook)
         self._trace_steps = 100  # the C++ reducer's default ring size
         self._tuner = None
         self._debug = _debug_enabled()
         self._rebuilds_seen = 0
-        if self._debug:
-            self._log_layout("initial layout")
+        self._attach(params)
         if autotune:
             self.autotune()
 
+    def _attach(self, params):
+        """The collective part of construction: check the model across ranks, broadcast rank 0's
+        parameters and buffers, join the transport, build the C++ reducer (hooks installed)."""
+        self._control_device = _control_device(self.process_group, params)
+        _verify_same_model(self.process_group, self._param_names, params, self._control_device)
+        self._broadcast(params + list(self.module.buffers()), 0)
+        # The autotuner's probe times this same transport; join shadows buckets through it.
+        self._transport = make_transport(self.process_group, self.device, self.backend,
+                                         self._timeout_s)
+        first_bytes, cap_bytes, last_bytes = self._limits
+        self._reducer = _C.Reducer(
+            params, self._param_names, self.process_group, str(self._control_device),
+            self._transport, first_bytes, cap_bytes, self.gradient_as_bucket_view,
+            self.find_unused_parameters, self._timeout_s, last_bytes)
+        self._reducer.set_trace_capacity(self._trace_steps)
+        if self._comm_hook is not None:
+            self._reducer.set_comm_hook(self._launch_comm_hook)
+        if self._debug:
+            self._log_layout("initial layout")
+
+    # -- pickling: like DDP, the process group and the reducer are not part of the pickle ------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state.get("_reducer") is not None:
+            state["_limits"] = (self.first_bucket_bytes, self.bucket_cap_bytes,
+                                self.last_bucket_bytes)
+        for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device"):
+            state[transient] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # Attached again (collectively) at the first forward, in the then default group.
+
     # -- the step ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._pre_forward()
+        return self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _pre_forward(self):
+        """Once per forward, outside any torch.compile graph: the safe point for rebuilds, the
+        join protocol and the buffer broadcast, in DDP's order."""
+        if self._reducer is None:
+            self._reattach()
+        _refuse_compiled_autograd()
+        grad_sync = torch.is_grad_enabled() and self._syncing
+        join_work = Join.notify_join_context(self)
+        self._set_divide_factor(join_work)
         if torch.is_grad_enabled():
             if self._tuner is not None and self._syncing:
                 self._tuner.on_forward()  # once per step: may set the limits for this step
             self._reducer.prepare_forward(will_sync=True)
             if self._debug:
                 self._log_rebuild()
-        if self.broadcast_buffers and self._buffers:
-            _broadcast_from_rank0(self.process_group, self._buffers)
-        return self.module(*args, **kwargs)
+        if self._will_sync_buffers():
+            self._sync_buffers(joined=False)
+        if self._join_config.enable:
+            sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
+        self._require_forward_param_sync = grad_sync
+
+    def _will_sync_buffers(self):
+        # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
+        return self.broadcast_buffers and self._require_forward_param_sync and any(
+            True for _ in self.module.buffers())
+
+    def _sync_buffers(self, joined):
+        """Broadcast the buffers (re-read: one may have been reassigned) from rank 0, or under
+        join from the highest rank still training, without bumping their version counters (a
+        second forward before backward must not invalidate what autograd saved)."""
+        source = common_rank(self, not joined) if self._join_config.enable else 0
+        buffers = list(self.module.buffers())
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            self._broadcast(buffers, source)
+
+    def _broadcast(self, tensors, source):
+        if tensors and dist.get_world_size(self.process_group) > 1:
+            with torch.no_grad():
+                dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES,
+                                          source)
+
+    def _reattach(self):
+        """After unpickling: attach to the default process group again (collective)."""
+        self.process_group = _resolve_group(None)
+        self._attach([p for _, p in self.module.named_parameters() if p.requires_grad])
+
+    # -- uneven inputs (DDP's join) --------------------------------------------------------------
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
+        """Context manager for uneven inputs, as ``DistributedDataParallel.join``: ranks that run
+        out of batches shadow the others' collectives until every rank is done. Composes with
+        other Joinables (e.g. ZeroRedundancyOptimizer) through
+        ``torch.distributed.algorithms.Join([model, optimizer])``."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        if self._tuner is not None and self._tuner.state != "done":
+            raise FusedReducerError(
+                "FusedReducer.join: autotune is still measuring; its per-step collectives cannot "
+                "be shadowed by joined ranks. Let it finish (autotune_report()['done']) or "
+                "construct without autotune for uneven inputs.")
+        return FusedReducerJoinHook(
+            self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self._control_device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _set_divide_factor(self, join_work):
+        """Under join gradients are divided by an explicit count: the world size, or the ranks
+        still training (divide_by_initial_world_size=False), read from the join notification."""
+        if join_work is None:
+            factor = 0
+        elif self._divide_by_initial_world_size:
+            factor = dist.get_world_size(self.process_group)
+        else:
+            factor = int(join_work.get_future().wait()[0].item())
+        if factor != self._divide_factor:
+            self._reducer.set_divide_factor(factor)
+            self._divide_factor = factor
+
+    # -- DDP communication hooks -----------------------------------------------------------------
+    def register_comm_hook(self, state, hook):
+        """Reduce every bucket with a DDP communication hook ``hook(state, bucket) -> Future``
+        (e.g. from torch.distributed.algorithms.ddp_comm_hooks) instead of the built-in
+        all-reduce. As in DDP it can be registered once, on every rank; the bucket a hook sees is
+        a GradBucket (index(), buffer(), gradients(), parameters(), is_last(), set_buffer())."""
+        check_hook(hook)
+        if self._comm_hook is not None:
+            raise FusedReducerError(
+                "FusedReducer: register_comm_hook can only be called once (as in DDP); "
+                f"a hook ({_name_of(self._comm_hook[1])}) is already registered")
+        self._comm_hook = (state, hook)
+        self._reducer.set_comm_hook(self._launch_comm_hook)
+
+    def _launch_comm_hook(self, index, is_last, flat, views, params):
+        # Called from the C++ reducer when a bucket is complete.
+        return self._run_comm_hook(index, is_last, flat, views, params)
+
+    def _run_comm_hook(self, index, is_last, flat, views, params):
+        state, hook = self._comm_hook
+        named = dict(self.module.named_parameters())
+        bucket = GradBucket(index, is_last, flat, views,
+                            [named[self._param_names[i]] for i in params])
+        return run_hook(state, hook, bucket)
 
     @contextmanager
     def no_sync(self):
@@ -206,8 +359,9 @@ class FusedReducer(nn.Module):
     def trace_steps(self, steps):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
             raise ValueError(f"trace_steps must be a positive int, got {steps!r}")
-        self._reducer.set_trace_capacity(steps)
         self._trace_steps = steps
+        if self._reducer is not None:
+            self._reducer.set_trace_capacity(steps)
 
     def export_trace(self, path, steps=None):
         """Write the telemetry of the last `steps` steps (default all kept) as a Chrome trace
@@ -224,6 +378,14 @@ class FusedReducer(nn.Module):
                            meta={"transport": self._reducer.stats()["transport"],
                                  "world_size": dist.get_world_size(self.process_group)})
         return path
+
+    def export_profile(self, path):
+        """Write this run's profile (JSON, versioned) for `python -m fused_reducer.plan`:
+        per-parameter bytes and median ready times, step phases, limits, probed transport,
+        machine (docs/PLANNING.md). Collective: call on every rank after >= 2 steps; rank 0
+        writes `path` (every rank with "{rank}" in it). Returns the path written or None."""
+        from .profile import export_profile
+        return export_profile(self, path)
 
     # -- debug logging (FUSED_REDUCER_DEBUG=1) ---------------------------------------------------
     def _log_layout(self, what):
@@ -254,6 +416,28 @@ def _debug_enabled():
     return True
 
 
+def _name_of(hook):
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
+def _refuse_compiled_autograd():
+    """FusedReducer's gradient hooks are C++ post-hooks on the gradient accumulators, which
+    compiled autograd does not run: refuse at once rather than skip the reduction."""
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # pragma: no cover - older torch
+        return
+    enabled = (getattr(compiled_autograd, "compiled_autograd_enabled", False)
+               or getattr(torch._dynamo.config, "compiled_autograd", False))
+    if enabled:
+        raise FusedReducerError(
+            "FusedReducer: compiled autograd (torch._dynamo.config.compiled_autograd or "
+            "torch._dynamo.compiled_autograd.enable) is not supported: FusedReducer reduces "
+            "gradients from C++ hooks on the parameters' gradient accumulators, which compiled "
+            "autograd does not call. Keep compiled autograd off; torch.compile of the model or of "
+            "FusedReducer itself is supported.")
+
+
 def _resolve_group(process_group):
     if process_group is not None:
         return process_group
@@ -276,7 +460,7 @@ def _control_device(group, params):
 def _refuse_sparse_gradients(module):
     for name, sub in module.named_modules():
         if getattr(sub, "sparse", False) is True:
-            raise ValueError(
+            raise FusedReducerError(
                 f"FusedReducer: module '{name}' ({type(sub).__name__}) has sparse=True and would "
                 "produce sparse gradients, which FusedReducer does not reduce; construct it with "
                 "sparse=False (dense gradients) or keep it outside FusedReducer")
@@ -312,7 +496,7 @@ def _verify_same_model(group, names, params, device):
     dist.all_gather(counts, torch.tensor([len(params)], dtype=torch.int64, device=device), group=group)
     counts = [int(c.item()) for c in counts]
     if len(set(counts)) != 1:
-        raise ValueError(
+        raise FusedReducerError(
             "FusedReducer: ranks wrap different models: trainable parameter counts per rank are "
             f"{counts}. Build the same model on every rank.")
     mine = _shape_signature(params).to(device)
@@ -324,13 +508,8 @@ def _verify_same_model(group, names, params, device):
         for index in range(len(params)):
             if not torch.equal(reference[index], theirs[index]):
                 kind = "dtype" if reference[index][0] != theirs[index][0] else "shape"
-                raise ValueError(
+                raise FusedReducerError(
                     f"FusedReducer: parameter '{names[index]}' (index {index}) differs across "
                     f"ranks ({kind}): rank 0 has {_describe(reference[index])}, rank {rank} has "
                     f"{_describe(theirs[index])}. Build the same model on every rank.")
 
-
-def _broadcast_from_rank0(group, tensors):
-    if tensors and dist.get_world_size(group) > 1:
-        with torch.no_grad():
-            dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, 0)

@@ -1,0 +1,80 @@
+"""DDP communication hooks on FusedReducer's buckets.
+
+A hook registered with ``FusedReducer.register_comm_hook(state, hook)`` has DDP's signature,
+``hook(state, bucket) -> torch.futures.Future``, so every hook of
+``torch.distributed.algorithms.ddp_comm_hooks`` runs unchanged. The C++ reducer calls
+``launch`` below when a bucket is complete (instead of its transport; gradients unscaled, the
+hook averages as in DDP) and ``finish`` at the end of backward; the future's value lands in the
+bucket and flows through the same unpack into ``param.grad``. Without a hook nothing here runs.
+"""
+import torch
+
+
+class GradBucket:
+    """The bucket a hook sees, with the interface of ``torch.distributed.GradBucket``."""
+
+    def __init__(self, index, is_last, buffer, gradients, parameters):
+        self._index = index
+        self._is_last = is_last
+        self._buffer = buffer
+        self._gradients = gradients
+        self._parameters = parameters
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        """The flat buffer of the bucket (the hook may reduce it in place)."""
+        return self._buffer
+
+    def set_buffer(self, buffer):
+        self._buffer = buffer
+
+    def gradients(self):
+        """Views of the buffer, one per parameter, shaped (and strided) like it."""
+        return self._gradients
+
+    def parameters(self):
+        return self._parameters
+
+    def is_last(self):
+        return self._is_last
+
+
+def check_hook(hook):
+    if not callable(hook):
+        raise TypeError(f"FusedReducer: a communication hook must be callable as "
+                        f"hook(state, bucket) -> torch.futures.Future, got {hook!r}")
+
+
+def _hook_name(hook):
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
+def run_hook(state, hook, bucket):
+    """Call the hook on `bucket`; return `finish()`, which waits for its future and writes the
+    result into the bucket's flat buffer (the tensor the reducer unpacks from)."""
+    flat = bucket.buffer()
+    future = hook(state, bucket)
+    if not isinstance(future, torch._C.Future):  # torch.futures.Future and c10d work futures
+        raise RuntimeError(
+            f"FusedReducer: communication hook {_hook_name(hook)} returned "
+            f"{type(future).__name__}; like a DDP hook it must return a torch.futures.Future "
+            "whose value is the reduced bucket tensor (e.g. "
+            "dist.all_reduce(t, async_op=True).get_future().then(...)).")
+
+    def finish():
+        value = future.wait()
+        result = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+        if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
+            raise RuntimeError(
+                f"FusedReducer: the future of communication hook {_hook_name(hook)} for bucket "
+                f"{bucket.index()} holds {got}; expected the reduced bucket, a tensor of "
+                f"{flat.numel()} elements")
+        if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:
+            with torch.no_grad():
+                flat.copy_(result.view(-1))
+
+    return finish
