@@ -6,6 +6,7 @@ namespace {
 class PendingWork : public PendingCollective {
  public:
   explicit PendingWork(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  bool completed() override { return work_->isCompleted(); }
   void wait(std::chrono::milliseconds timeout) override {
     if (!work_->wait(timeout)) {
       throw std::runtime_error(

@@ -84,6 +84,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
     param_options_.push_back(p.options());
   }
   locally_used_.assign(params_.size(), 0);
+  copy_at_hook_ = !params_.front().is_cuda();
 
   // Before any gradient was seen, expect them in reverse registration order.
   std::vector<int64_t> order(params_.size());
@@ -168,9 +169,49 @@ void Reducer::on_gradient_ready(int64_t index) {
     bucket.timing.ready_first_us = now;
   }
   bucket.timing.ready_last_us = now;
+  if (copy_at_hook_) {
+    // See Note [Copy at the hook].
+    std::vector<CopyJob> jobs;
+    add_pack_job(bucket, static_cast<size_t>(slot_of_[index]), gradient_scale(), jobs);
+    scaled_copy(jobs, gradient_scale());
+    packed_[index] = 1;
+  }
   if (--bucket.pending == 0) {
     launch_ready_buckets();
   }
+  if (!options_.find_unused_parameters) {
+    unpack_completed_buckets();
+  }
+}
+
+// Note [Copy at the hook]
+// Without the fused CUDA kernel (CPU parameters) a gradient is copied into its
+// slot by its own hook, as DDP does: the copies spread through backward, and a
+// bucket launches as soon as its last gradient is in, instead of after a copy
+// of the whole bucket. Buckets whose collective has completed are unpacked
+// while backward goes on (not with find_unused_parameters: which parameters
+// get a gradient is only known at the end), so less is left for the end.
+
+// Unpacks, in order, the launched buckets whose collective has completed.
+void Reducer::unpack_completed_buckets() {
+  while (next_to_unpack_ < next_to_launch_) {
+    Bucket& bucket = buckets_[next_to_unpack_];
+    if (bucket.collective && !bucket.collective->completed()) {
+      return;
+    }
+    finish_bucket(next_to_unpack_++, nullptr);
+  }
+}
+
+// Waits for bucket `index` (telemetry: complete_us, exposed wait_us) and
+// unpacks it; `used` (find_unused_parameters): the globally used map.
+void Reducer::finish_bucket(size_t index, const int32_t* used) {
+  const double start = now_us();
+  wait_for_bucket(index);
+  BucketTiming& timing = buckets_[index].timing;
+  timing.complete_us = now_us();
+  timing.wait_us = timing.complete_us - start;
+  unpack_bucket(buckets_[index], [used](int64_t param) { return used == nullptr || used[param] != 0; });
 }
 
 // Buckets launch strictly in order, each as soon as it and all before it are
@@ -214,22 +255,29 @@ void Reducer::pack_bucket(Bucket& bucket) {
   std::vector<CopyJob> jobs;
   jobs.reserve(bucket.params.size());
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-    at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
-    const at::Tensor& view = bucket.views[slot];
-    if (!grad.defined()) {
-      jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
-    } else if (grad.is_alias_of(view)) {
-      if (scale != 1.0) {
-        jobs.push_back({view, view});  // gradient_as_bucket_view: scale in place
-      }
-    } else {
-      jobs.push_back({grad, view});
-      if (options_.gradient_as_bucket_view) {
-        grad = view;  // from now on autograd accumulates straight into the bucket
-      }
+    if (!packed_[bucket.params[slot]]) {
+      add_pack_job(bucket, slot, scale, jobs);
     }
   }
   copy_launches_this_step_ += scaled_copy(jobs, scale);
+}
+
+// The copy that puts the gradient of the parameter in `slot` into the bucket.
+void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs) {
+  at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+  const at::Tensor& view = bucket.views[slot];
+  if (!grad.defined()) {
+    jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
+  } else if (grad.is_alias_of(view)) {
+    if (scale != 1.0) {
+      jobs.push_back({view, view});  // gradient_as_bucket_view: scale in place
+    }
+  } else {
+    jobs.push_back({grad, view});
+    if (options_.gradient_as_bucket_view) {
+      grad = view;  // from now on autograd accumulates straight into the bucket
+    }
+  }
 }
 
 // flat -> param.grad, for gradients that are not views of the bucket. Only the
@@ -311,13 +359,8 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const double start = now_us();
-    wait_for_bucket(b);
-    BucketTiming& timing = buckets_[b].timing;
-    timing.complete_us = now_us();
-    timing.wait_us = timing.complete_us - start;
-    unpack_bucket(buckets_[b], [used](int64_t index) { return used == nullptr || used[index] != 0; });
+  while (next_to_unpack_ < buckets_.size()) {
+    finish_bucket(next_to_unpack_++, used);
   }
 
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
@@ -452,8 +495,10 @@ void Reducer::prepare_forward(bool will_sync) {
 
 void Reducer::reset_iteration() {
   ready_.assign(params_.size(), 0);
+  packed_.assign(params_.size(), 0);
   ready_order_.clear();
   next_to_launch_ = 0;
+  next_to_unpack_ = 0;
   launched_this_step_ = 0;
   launched_bytes_this_step_ = 0;
   copy_launches_this_step_ = 0;

@@ -6,6 +6,8 @@
 //        transport_->allreduce_sum(flat)    in flight while backward goes on
 //   end of backward (finalize_backward)
 //     -> wait for every bucket, unpack_bucket: flat -> param.grad
+//        (on CPU each gradient is copied at its own hook, and buckets already
+//        reduced are unpacked during backward: Note [Copy at the hook])
 //
 // Everything here runs in C++: no Python call per parameter.
 #pragma once
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "bucket_assignment.h"
+#include "bucket_copy.h"
 #include "transport.h"
 
 namespace fused_reducer {
@@ -179,6 +182,9 @@ class Reducer {
   void on_gradient_ready(int64_t index);
   void launch_ready_buckets();
   void pack_bucket(Bucket& bucket);
+  void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
+  void unpack_completed_buckets();
+  void finish_bucket(size_t index, const int32_t* used);
   template <typename Keep>
   void unpack_bucket(Bucket& bucket, Keep keep);
   void finalize_backward();
@@ -228,8 +234,11 @@ class Reducer {
   // find_unused_parameters: parameters that got a defined gradient since the
   // last synchronised step, no_sync() steps included (DDP's local_used_map).
   std::vector<char> locally_used_;
+  std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
+  bool copy_at_hook_ = false;             // See Note [Copy at the hook]
   std::vector<int64_t> ready_order_;
   size_t next_to_launch_ = 0;
+  size_t next_to_unpack_ = 0;
   int64_t launched_this_step_ = 0;
   int64_t launched_bytes_this_step_ = 0;
   int64_t copy_launches_this_step_ = 0;

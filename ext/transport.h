@@ -21,6 +21,9 @@ class PendingCollective {
   // Blocks until the result may be read on the caller's stream. Throws on
   // failure or after `timeout`; the caller adds which bucket it was.
   virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // True when wait() would return at once (polled during backward to unpack
+  // early); transports that cannot tell say false.
+  virtual bool completed() { return false; }
 };
 
 class Transport {

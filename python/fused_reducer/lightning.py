@@ -177,11 +177,7 @@ class FusedReducerStrategy(_DDPStrategy):
         module = self.lightning_module
         if module is None or module.automatic_optimization or not torch.is_grad_enabled():
             return None
-        prepare = getattr(model, "prepare_for_backward", None)
-        if prepare is not None:
-            prepare()
-        else:  # the same call FusedReducer.forward makes; a no-op for reduction inside no_sync()
-            model._reducer.prepare_forward(will_sync=True)
+        model.prepare_for_backward()
         return None
 
     def post_backward(self, closure_loss):

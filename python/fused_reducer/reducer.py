@@ -261,6 +261,13 @@ class FusedReducer(nn.Module, Joinable):
                             [named[self._param_names[i]] for i in params])
         return run_hook(state, hook, bucket)
 
+    def prepare_for_backward(self):
+        """Arm the reduction for one more backward of the same forward's graph (DDP's
+        ``reducer.prepare_for_backward``): manual optimization with several backward passes per
+        training step, e.g. Lightning's ``manual_backward``. Collective like forward."""
+        if torch.is_grad_enabled() and self._syncing:
+            self._reducer.prepare_forward(will_sync=True)
+
     @contextmanager
     def no_sync(self):
         """Backward passes of forwards run inside accumulate into param.grad without
