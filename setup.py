@@ -2,6 +2,10 @@
 CUDA/NCCL) extension.
 
     pip install --no-build-isolation .      # fast path: uses the torch already installed
+    pip install --no-build-isolation ".[bench]"   # extras: bench, lightning, test
+
+The torch version compiled against is written to python/fused_reducer/_build_torch.py (checked
+at import).
 
 Environment: CUDA_HOME (toolkit; default /usr/local/cuda when it has nvcc), NCCL_HOME (headers
 and libnccl; default the nvidia-nccl-cu* wheel torch depends on), FUSED_REDUCER_NO_CUDA=1 (force
@@ -66,6 +70,22 @@ def use_cuda():
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def record_build_torch():
+    """Write the torch version this build compiles against into the package: __init__ compares
+    it with the running torch before loading _C (an extension built against another torch fails
+    with undefined symbols, or worse)."""
+    path = os.path.join(ROOT, "python", "fused_reducer", "_build_torch.py")
+    text = ("# Written by setup.py at build time (not in git): the torch _C was compiled against.\n"
+            f"TORCH_VERSION = {torch.__version__!r}\n")
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+record_build_torch()
+
 cpp_sources = sorted(glob.glob("ext/*.cpp"))
 cuda_sources = sorted(glob.glob("cuda/*.cu")) + sorted(glob.glob("cuda/*.cpp"))
 with_cuda, why = use_cuda()
@@ -107,4 +127,11 @@ setup(
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
+    # No install_requires on torch: the extension is tied to the torch it was built against, and
+    # a resolver must never swap it. Extras: `pip install --no-build-isolation ".[lightning]"`.
+    extras_require={
+        "lightning": ["pytorch-lightning"],
+        "bench": ["torchvision==0.29.1", "transformers"],  # torchvision 0.29.x pairs with torch 2.14
+        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy", "matplotlib", "pytorch-lightning"],
+    },
 )

@@ -16,10 +16,18 @@ if ! $PY -c "import pybind11, ninja, pytest, hypothesis, numpy, matplotlib, setu
   echo "setup: installing build and test tools"
   $PY -m pip install -q pybind11 ninja pytest hypothesis numpy matplotlib setuptools wheel
 fi
+# The optional extras the tests and benchmarks use (setup.py: test, lightning, bench); torch==2.14.1
+# in the same command so that no dependency can swap torch (torchvision 0.29.1 pairs with it).
+if ! $PY -c "import importlib.metadata as m, sys
+sys.exit(m.version('torchvision') != '0.29.1' or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning', 'transformers'])))" 2>/dev/null; then
+  echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers"
+  $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 transformers
+fi
 
 # Rebuild only when a source file changed (the build takes a few minutes).
 stamp=$(find ext cuda python setup.py pyproject.toml -type f \( -name '*.cpp' -o -name '*.h' \
           -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -not -path '*/__pycache__/*' \
+          -not -name _build_torch.py \
           | sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.fused_reducer_stamp 2>/dev/null)" != "$stamp" ] || ! $PY -c "import fused_reducer" 2>/dev/null; then
   echo "setup: building fused_reducer (pip install --no-build-isolation .; a few minutes)"

@@ -1,78 +1,208 @@
 """Run a function on N gloo ranks (spawned processes on 127.0.0.1) and collect the results.
 
-A worker's exception comes back to the test as a RankFailed naming the rank; a rank that hangs
-is killed after `timeout` seconds, so a broken test fails instead of hanging the suite.
+How it avoids races, cascades and silent hangs:
+- Rendezvous: the parent creates a TCPStore on port 0 before any rank starts and passes its port;
+  nothing picks a "free" port that another test could take in between, and gloo binds its own.
+- Timeouts, innermost first (each layer reports before the next one fires):
+    PG_TIMEOUT (60 s; pg_timeout= per spawn, e.g. for checks whose ranks compile at different
+      speeds): a gloo collective raises instead of waiting torch's default 30 minutes, and a
+      rank waits that + 15 s for its peers to finish a check;
+    the spawn's `timeout`, cut to end HARNESS_MARGIN seconds before the running test's
+      pytest-timeout (conftest.py tells the harness when that is);
+    pytest-timeout (pyproject.toml), the last resort.
+- Hangs: when the parent gives up on a rank it asks it (SIGUSR1, faulthandler) for every thread's
+  stack and reports it with what the rank said it was doing ("in check X", ...); a rank that
+  crashes leaves its stack too. Ranks orphaned by a killed parent exit on their own.
+- run_checks: after each check the ranks meet through the store (not gloo, which may be the
+  broken thing). A rank whose check raised first drops its gloo group, which wakes peers blocked
+  in that check's collectives at once; after a failed check every rank starts a fresh group, so
+  unmatched collectives cannot leak into the next check. A rank that stops answering fails its
+  own check and the later ones; checks finished before keep their results.
 """
+import faulthandler
+import gc
 import os
+import pickle
+import queue as queue_module
+import signal
 import socket
+import tempfile
+import time
 import traceback
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+PG_TIMEOUT = 60
+HARNESS_MARGIN = 15
+_test_deadline = None  # time.monotonic() at which pytest-timeout fails the running test
 
 
 class RankFailed(Exception):
     pass
 
 
+def set_test_deadline(deadline):
+    """Called by conftest.py around each test (None: no pytest-timeout)."""
+    global _test_deadline
+    _test_deadline = deadline
+
+
 def free_port():
+    """A port that was free a moment ago (racy; for tests that init a group themselves)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+# -- in each rank ----------------------------------------------------------------------------------
+
+_store = None  # the parent's TCPStore, as seen from this rank
+_rank_info = {}
+
+
+def _status(text):
+    """What this rank is doing now; the parent prints it if the rank never reports."""
+    _store.set(f"status/{_rank_info['rank']}", text)
+
+
+def _init_group(tag):
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"group/{tag}", _store),
+                            rank=_rank_info["rank"], world_size=_rank_info["world_size"],
+                            timeout=timedelta(seconds=_rank_info["pg_timeout"]))
+
+
+def _drop_group():
+    if dist.is_initialized():
+        gc.collect()  # free what a failed check left holding the group, so its sockets close
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group is what we are discarding
+            pass
+
+
+def _entry(rank, world_size, fn, args, queue, port, workdir, pg_timeout, life):
+    global _store
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     torch.set_num_threads(1)
+    stacks = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
+    faulthandler.enable(file=stacks, all_threads=True)  # a crash leaves its stack for the parent
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks on a hang
+    faulthandler.dump_traceback_later(life, exit=True, file=stacks)  # outlive no parent
+    _rank_info.update(rank=rank, world_size=world_size, pg_timeout=pg_timeout)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+        _store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=timedelta(seconds=pg_timeout))
+        _status("in init_process_group")
+        _init_group("start")
+        _status(f"in {fn.__name__}")
         result = fn(rank, world_size, *args)
+        _status("reporting")
         queue.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the test
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        _drop_group()
 
 
-def spawn_ranks(fn, world_size, *args, timeout=120, reporting=None):
-    """fn(rank, world_size, *args) on each rank. Returns {rank: ("ok", result) | ("error", text)}.
+# -- in the test process ---------------------------------------------------------------------------
 
-    reporting: the ranks expected to report (default all; a rank that kills itself won't)."""
-    import queue as queue_module
+def _read_status(store, rank):
+    key = f"status/{rank}"
+    return store.get(key).decode() if store.check([key]) else "not started"
+
+
+def _spawn(fn, world_size, args, timeout, reporting, pg_timeout, keys=()):
+    """Run the ranks. Returns (outcomes, lost, stored): outcomes {rank: (status, payload)},
+    lost {rank: report} for ranks in `reporting` that never reported, stored {key: bytes} for
+    those of `keys` the ranks set in the store."""
+    if _test_deadline is not None:  # report before pytest-timeout cuts the test off
+        timeout = max(10, min(timeout, _test_deadline - time.monotonic() - HARNESS_MARGIN))
+    reporting = set(range(world_size) if reporting is None else reporting)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reporting = set(range(world_size) if reporting is None else reporting)
-    outcomes = {}
-    try:
-        while not reporting <= set(outcomes):
-            try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except queue_module.Empty:
-                raise RankFailed(f"ranks {sorted(reporting - set(outcomes))} did not finish "
-                                 f"within {timeout}s (hang?)") from None
-            outcomes[rank] = (status, payload)
-    finally:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    outcomes, lost, stored = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="fused_reducer_ranks_") as workdir:
+        procs = [ctx.Process(target=_entry, args=(r, world_size, fn, args, queue, store.port, workdir,
+                                                  pg_timeout, timeout + 60))
+                 for r in range(world_size)]
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        start = time.monotonic()
+        died = {}  # rank -> when it was first seen dead without having reported
+        first_report = None
+        finished = False
+        try:
+            while reporting - set(outcomes):
+                try:
+                    rank, status, payload = queue.get(timeout=0.5)
+                    outcomes[rank] = (status, payload)
+                    first_report = first_report or time.monotonic()
+                    continue
+                except queue_module.Empty:
+                    pass
+                now = time.monotonic()
+                pending = reporting - set(outcomes)
+                for r in pending:
+                    if not procs[r].is_alive():
+                        died.setdefault(r, now)
+                # Ranks that still run long after another reported are stuck: a peer waiting on
+                # them fails its collective after pg_timeout; run_checks says so at once.
+                grace = 5 if store.check(["abandoned"]) else pg_timeout + 10
+                # Give up: deadline; every waited-for rank dead (2 s to drain its last message);
+                # a rank dead for 10 s (the others wait on it); the rest stuck (above).
+                if (now > start + timeout
+                        or all(now > died.get(r, now + 1) + 2 for r in pending)
+                        or any(now > died[r] + 10 for r in pending if r in died)
+                        or (first_report and now > first_report + grace)):
+                    break
+            for r in sorted(reporting - set(outcomes)):
+                if procs[r].is_alive():
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+            if reporting - set(outcomes):
+                time.sleep(1)  # let faulthandler write
+            for r in sorted(reporting - set(outcomes)):
+                if procs[r].is_alive():
+                    what = f"did not report within {time.monotonic() - start:.0f}s (hang?)"
+                else:
+                    what = f"exited with code {procs[r].exitcode} without reporting"
+                path = os.path.join(workdir, f"rank{r}.stacks")
+                stacks = open(path).read().strip() if os.path.exists(path) else ""
+                lost[r] = (f"rank {r} {what}; it was {_read_status(store, r)}; its stacks:\n"
+                           f"{stacks or '(none written)'}")
+            for key in keys:
+                if store.check([key]):
+                    stored[key] = store.get(key)
+            finished = not lost
+        finally:
+            for p in procs:
+                p.join(timeout=10 if finished else 0)  # ranks that reported tear down their groups
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            queue.close()
+            del store
+    return outcomes, lost, stored
+
+
+def spawn_ranks(fn, world_size, *args, timeout=120, reporting=None, pg_timeout=PG_TIMEOUT):
+    """fn(rank, world_size, *args) on each rank. Returns {rank: ("ok", result) | ("error", text)}.
+
+    reporting: the ranks expected to report (default all; a rank that kills itself won't).
+    A rank of `reporting` that hangs or dies raises RankFailed with its stack."""
+    outcomes, lost, _ = _spawn(fn, world_size, args, timeout, reporting, pg_timeout)
+    if lost:
+        raise RankFailed("\n\n".join(lost[r] for r in sorted(lost)))
     return outcomes
 
 
-def run_ranks(fn, world_size, *args, timeout=120):
+def run_ranks(fn, world_size, *args, timeout=120, pg_timeout=PG_TIMEOUT):
     """fn on every rank; the results by rank, or RankFailed with every rank's error."""
-    outcomes = spawn_ranks(fn, world_size, *args, timeout=timeout)
+    outcomes = spawn_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout)
     errors = {r: payload for r, (status, payload) in outcomes.items() if status == "error"}
     if errors:
         raise RankFailed("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
@@ -80,21 +210,65 @@ def run_ranks(fn, world_size, *args, timeout=120):
 
 
 def _run_checks(rank, world_size, checks):
-    import traceback as tb
-    results = {}
-    for fn in checks:
+    abandoned = None  # why the remaining checks cannot run here
+    for i, fn in enumerate(checks):
+        name = fn.__name__
+        if abandoned:
+            outcome = ("error", abandoned)
+        else:
+            _status(f"in check {name}")
+            try:
+                outcome = ("ok", fn(rank, world_size))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - pytest.fail, SystemExit too: to its test
+                outcome = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            if outcome[0] == "error":
+                _drop_group()  # peers blocked on this rank in the check's collectives fail now
         try:
-            results[fn.__name__] = ("ok", fn(rank, world_size))
-        except Exception as e:  # noqa: BLE001 - each check's error goes back to its test
-            results[fn.__name__] = ("error", f"{type(e).__name__}: {e}\n{tb.format_exc()}")
-        dist.barrier()
-    return results
+            data = pickle.dumps(outcome)
+        except Exception as e:  # noqa: BLE001 - fail this check, not the spawn
+            data = pickle.dumps(("error", f"the check's result cannot be pickled: {e!r}"))
+        _store.set(f"result/{name}/{rank}", data)
+        _store.set(f"done/{i}/{rank}", outcome[0])
+        if abandoned:
+            continue
+        _status(f"waiting for the other ranks to finish check {name}")
+        done = [f"done/{i}/{r}" for r in range(world_size)]
+        try:
+            # Longer than a collective's timeout: a peer stuck in one fails it and arrives.
+            _store.wait(done, timedelta(seconds=_rank_info["pg_timeout"] + 15))
+        except Exception:  # noqa: BLE001 - a peer stopped answering: nothing later can run
+            late = [r for r in range(world_size) if not _store.check([done[r]])]
+            abandoned = f"not run: rank(s) {late} did not finish check {name}"
+            _store.set("abandoned", str(rank))  # the parent need not wait for the late ones
+            continue
+        if any(_store.get(key) == b"error" for key in done):
+            # A failed check may leave unmatched collectives behind: start from a fresh group.
+            _drop_group()
+            try:
+                _init_group(f"after-check-{i}")
+            except Exception as e:  # noqa: BLE001 - e.g. a peer died meanwhile
+                abandoned = f"not run: no fresh group after check {name}: {type(e).__name__}: {e}"
+                _store.set("abandoned", str(rank))
+    _status("reporting")
 
 
-def run_checks(checks, world_size=2, timeout=180):
-    """Several checks fn(rank, world_size) in one spawn (spawning costs seconds): a check that
-    raises is recorded, not fatal, so each test can assert on its own check's outcome."""
-    return run_ranks(_run_checks, world_size, checks, timeout=timeout)
+def run_checks(checks, world_size=2, timeout=180, pg_timeout=PG_TIMEOUT):
+    """Several checks fn(rank, world_size) in one spawn (spawning costs seconds). Returns, per
+    rank, {check name: ("ok", result) | ("error", text)}: a check that raises, hangs or loses a
+    peer fails its own test (and, for a hang, the later checks), not the whole spawn."""
+    names = [fn.__name__ for fn in checks]
+    keys = [f"result/{n}/{r}" for n in names for r in range(world_size)]
+    outcomes, lost, stored = _spawn(_run_checks, world_size, (checks,), timeout, None, pg_timeout,
+                                    keys)
+    errors = {r: payload for r, (status, payload) in outcomes.items() if status == "error"}
+    if errors:  # the harness itself failed on a rank (e.g. init_process_group)
+        raise RankFailed("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    lost_report = "\n\n".join(lost[r] for r in sorted(lost))
+    return [{n: pickle.loads(stored[f"result/{n}/{r}"]) if f"result/{n}/{r}" in stored
+             else ("error", lost_report) for n in names}
+            for r in range(world_size)]
 
 
 def per_rank(outcomes, check):

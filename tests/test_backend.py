@@ -26,10 +26,22 @@ def test_unknown_backend_is_refused():
         resolve_backend("mpi-please", torch.device("cpu"))
 
 
+def test_nccl_for_cuda_parameters_needs_a_cuda_build():
+    if fused_reducer.build_info()["cuda"]:
+        assert resolve_backend("nccl", torch.device("cuda", 0)) == "nccl"
+    else:  # e.g. FUSED_REDUCER_NO_CUDA=1 with a CUDA build of torch
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            resolve_backend("nccl", torch.device("cuda", 0))
+
+
 def test_build_info_reports_what_was_built():
     info = fused_reducer.build_info()
     assert set(info) >= {"cuda", "nccl_version", "torch_version", "cuda_arch_list"}
     assert info["torch_version"] == torch.__version__
-    if torch.version.cuda:  # on this project's CI: a CUDA build of torch, nvcc present
-        assert info["cuda"] is True and info["nccl_version"].startswith("2.")
-        assert "9.0" in info["cuda_arch_list"]
+    if info["cuda"]:  # the CUDA path: needs a CUDA build of torch; this project builds 8.0;9.0
+        assert torch.version.cuda
+        assert info["nccl_version"].startswith("2."), info
+        assert "9.0" in info["cuda_arch_list"].split(";"), info
+    else:  # the CPU/process-group path (CPU torch, no toolkit, or FUSED_REDUCER_NO_CUDA=1)
+        assert info["nccl_version"] is None and info["cuda_arch_list"] == "", info
+        assert not hasattr(fused_reducer._C, "NcclTransport")

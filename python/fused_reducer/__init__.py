@@ -7,10 +7,31 @@ bucket cap that stay tunable at runtime.
 import torch
 import torch.distributed  # registers ProcessGroup with pybind11 before _C needs it
 
-from . import _C
-from .reducer import FusedReducer
-from .transport import make_transport
-from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes
+REINSTALL = "pip install --no-build-isolation --no-deps --force-reinstall ."
+
+
+def check_torch_version(built, running):
+    """Raise ImportError unless `running` is the torch `built` (the version _C was compiled
+    against) names; a C++ extension is tied to the exact torch build (a local tag like +cu130
+    included) and under another one fails with undefined symbols or worse. built=None: not
+    recorded (built by an older setup.py), nothing to check."""
+    if built is not None and built != running:
+        raise ImportError(
+            f"fused_reducer was compiled against torch {built}, but torch {running} is installed; "
+            f"rebuild it against this torch: `{REINSTALL}` in the fused_reducer source tree "
+            "(--no-build-isolation compiles against the installed torch)")
+
+
+try:
+    from ._build_torch import TORCH_VERSION as _BUILD_TORCH
+except ImportError:
+    _BUILD_TORCH = None
+check_torch_version(_BUILD_TORCH, torch.__version__)  # before _C: its load is what would fail
+
+from . import _C  # noqa: E402
+from .reducer import FusedReducer  # noqa: E402
+from .transport import make_transport  # noqa: E402
+from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes  # noqa: E402
 
 
 def build_info():
