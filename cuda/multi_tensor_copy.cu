@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda_check.h"
 
@@ -23,60 +24,88 @@ struct LaunchArgs {
   void* dst[kMaxSegmentsPerLaunch];
 };
 
-// Arithmetic type for scaling: float for 16/32-bit types (as torch's opmath), double for fp64.
-template <typename T> struct Math { using type = float; };
-template <> struct Math<double> { using type = double; };
+// Arithmetic type of the scaling: float for 16/32-bit types (as torch's
+// opmath), double when either side is fp64.
+template <typename S, typename D>
+using Math = std::conditional_t<std::is_same_v<S, double> || std::is_same_v<D, double>, double,
+                                float>;
 
 // Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__.
-template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
-template <> __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x) { return static_cast<T>(x); }
-template <> __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
+__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-template <typename T>
-__device__ __forceinline__ T scaled(T x, float scale) { return from_float<T>(to_float(x) * scale); }
-__device__ __forceinline__ double scaled(double x, double scale) { return x * scale; }
+// Round-to-nearest-even into the destination dtype, from the arithmetic type:
+// one rounding per element (no intermediate float step for fp64 -> 16 bit).
+template <typename D> struct Narrow;
+template <> struct Narrow<float> {
+  static __device__ __forceinline__ float from(float x) { return x; }
+  static __device__ __forceinline__ float from(double x) { return static_cast<float>(x); }
+};
+template <> struct Narrow<double> {
+  static __device__ __forceinline__ double from(float x) { return x; }
+  static __device__ __forceinline__ double from(double x) { return x; }
+};
+template <> struct Narrow<__half> {
+  static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ __half from(double x) { return __double2half(x); }
+};
+template <> struct Narrow<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
+};
 
-template <typename T>
-struct alignas(16) Vector {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
+// Scale in the arithmetic type, then cast: an fp16 destination sees the scaled
+// value (see the header).
+template <typename S, typename D>
+__device__ __forceinline__ D scaled(S x, Math<S, D> scale) {
+  return Narrow<D>::from(static_cast<Math<S, D>>(widen(x)) * scale);
+}
+
+// Elements per vector step: 16 bytes of the narrower side (the wider side moves
+// 16, 32 or 64 bytes, as 16-byte accesses).
+template <typename S, typename D>
+constexpr int kVec = 16 / static_cast<int>(sizeof(S) < sizeof(D) ? sizeof(S) : sizeof(D));
+
+template <typename T, int N>
+struct alignas(16) Pack {
+  static_assert(N * sizeof(T) % 16 == 0, "a pack is whole 16-byte vectors");
+  T v[N];
 };
 
 // Block-cooperative copy of elements [begin, end) of one segment.
-template <typename T>
-__device__ void copy_range(const T* src, T* dst, int64_t begin, int64_t end,
-                           typename Math<T>::type scale) {
-  using Vec = Vector<T>;
-  constexpr int V = Vec::kSize;
+template <typename S, typename D>
+__device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Math<S, D> scale) {
+  constexpr int V = kVec<S, D>;
+  using SrcPack = Pack<S, V>;
+  using DstPack = Pack<D, V>;
   const int64_t n = end - begin;
-  const T* s = src ? src + begin : nullptr;
-  T* d = dst + begin;
+  const S* s = src ? src + begin : nullptr;
+  D* d = dst + begin;
 
   // Scalar head until dst is 16-byte aligned; vectors only if src is aligned there too.
   const auto dst_address = reinterpret_cast<uintptr_t>(d);
-  int64_t head = static_cast<int64_t>(((16 - dst_address % 16) % 16) / sizeof(T));
-  const bool dst_elements_aligned = dst_address % sizeof(T) == 0;
+  int64_t head = static_cast<int64_t>(((16 - dst_address % 16) % 16) / sizeof(D));
+  const bool dst_elements_aligned = dst_address % sizeof(D) == 0;
   if (!dst_elements_aligned || head > n ||
       (s && reinterpret_cast<uintptr_t>(s + head) % 16 != 0)) {
     head = n;  // no common alignment: all scalar
   }
   const int64_t vectors = (n - head) / V;
-  const T zero = from_float<T>(0.0f);
+  const D zero = Narrow<D>::from(0.0f);
 
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
-    d[i] = s ? scaled(s[i], scale) : zero;
+    d[i] = s ? scaled<S, D>(s[i], scale) : zero;
   }
-  const Vec* sv = s ? reinterpret_cast<const Vec*>(s + head) : nullptr;
-  Vec* dv = reinterpret_cast<Vec*>(d + head);
+  const SrcPack* sv = s ? reinterpret_cast<const SrcPack*>(s + head) : nullptr;
+  DstPack* dv = reinterpret_cast<DstPack*>(d + head);
   for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
-    Vec out;
+    DstPack out;
     if (sv) {
-      const Vec in = sv[i];
+      const SrcPack in = sv[i];
 #pragma unroll
-      for (int k = 0; k < V; ++k) out.v[k] = scaled(in.v[k], scale);
+      for (int k = 0; k < V; ++k) out.v[k] = scaled<S, D>(in.v[k], scale);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) out.v[k] = zero;
@@ -84,13 +113,13 @@ __device__ void copy_range(const T* src, T* dst, int64_t begin, int64_t end,
     dv[i] = out;
   }
   for (int64_t i = head + vectors * V + threadIdx.x; i < n; i += blockDim.x) {
-    d[i] = s ? scaled(s[i], scale) : zero;
+    d[i] = s ? scaled<S, D>(s[i], scale) : zero;
   }
 }
 
 // Each block owns `chunk` consecutive elements of the segments laid end to end,
 // finds its first segment by binary search, then walks forward.
-template <typename T>
+template <typename S, typename D>
 __global__ void __launch_bounds__(kThreads)
     scaled_copy_kernel(const __grid_constant__ LaunchArgs args, int64_t chunk) {
   const int n = args.num_segments;
@@ -102,31 +131,41 @@ __global__ void __launch_bounds__(kThreads)
     const int mid = (lo + hi + 1) / 2;
     if (args.starts[mid] <= begin) lo = mid; else hi = mid - 1;
   }
-  const auto scale = static_cast<typename Math<T>::type>(args.scale);
+  const auto scale = static_cast<Math<S, D>>(args.scale);
   for (int seg = lo; seg < n && args.starts[seg] < end; ++seg) {
     const int64_t first = max(begin, args.starts[seg]) - args.starts[seg];
     const int64_t last = min(end, args.starts[seg + 1]) - args.starts[seg];
     if (first < last) {
-      copy_range<T>(static_cast<const T*>(args.src[seg]), static_cast<T*>(args.dst[seg]), first,
-                    last, scale);
+      copy_range<S, D>(static_cast<const S*>(args.src[seg]), static_cast<D*>(args.dst[seg]),
+                       first, last, scale);
     }
   }
 }
 
-template <typename T>
+template <typename S, typename D>
 void launch(const LaunchArgs& args, cudaStream_t stream) {
   const int64_t total = args.starts[args.num_segments];
   if (total == 0) return;
-  const int64_t chunk = static_cast<int64_t>(kThreads) * kVectorsPerThread * Vector<T>::kSize;
+  const int64_t chunk = static_cast<int64_t>(kThreads) * kVectorsPerThread * kVec<S, D>;
   const int64_t blocks = (total + chunk - 1) / chunk;
-  scaled_copy_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, chunk);
+  scaled_copy_kernel<S, D><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, chunk);
   FR_CUDA_CHECK_LAUNCH();
+}
+
+template <typename S>
+void launch_from(DType dst, const LaunchArgs& args, cudaStream_t stream) {
+  switch (dst) {
+    case DType::kFloat32: launch<S, float>(args, stream); break;
+    case DType::kFloat16: launch<S, __half>(args, stream); break;
+    case DType::kBFloat16: launch<S, __nv_bfloat16>(args, stream); break;
+    case DType::kFloat64: launch<S, double>(args, stream); break;
+  }
 }
 
 }  // namespace
 
-int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double scale,
-                cudaStream_t stream) {
+int scaled_copy(const std::vector<CopySegment>& segments, DType src_dtype, DType dst_dtype,
+                double scale, cudaStream_t stream) {
   int launches = 0;
   static thread_local LaunchArgs args;  // ~19 KiB: keep it off the stack
   for (size_t first = 0; first < segments.size(); first += kMaxSegmentsPerLaunch) {
@@ -140,11 +179,11 @@ int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double sc
       args.dst[i] = segment.dst;
       args.starts[i + 1] = args.starts[i] + segment.numel;
     }
-    switch (dtype) {
-      case DType::kFloat32: launch<float>(args, stream); break;
-      case DType::kFloat16: launch<__half>(args, stream); break;
-      case DType::kBFloat16: launch<__nv_bfloat16>(args, stream); break;
-      case DType::kFloat64: launch<double>(args, stream); break;
+    switch (src_dtype) {
+      case DType::kFloat32: launch_from<float>(dst_dtype, args, stream); break;
+      case DType::kFloat16: launch_from<__half>(dst_dtype, args, stream); break;
+      case DType::kBFloat16: launch_from<__nv_bfloat16>(dst_dtype, args, stream); break;
+      case DType::kFloat64: launch_from<double>(dst_dtype, args, stream); break;
     }
     launches += args.starts[count] > 0 ? 1 : 0;
   }

@@ -1,5 +1,6 @@
 // Fused multi-tensor scaled copy: one kernel launch moves many gradients into
-// (or out of) a bucket's flat buffer.
+// (or out of) a bucket's flat buffer, casting between floating-point dtypes on
+// the way (a bucket may hold a reduce dtype other than the gradients').
 //
 // Torch-free on purpose (CUDA runtime only): it builds fast, and a reader can
 // test it alone. ext/ calls it through this header.
@@ -14,9 +15,14 @@ namespace fused_reducer::cuda {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
-// dst[i] = src[i] * scale for i < numel. src == nullptr writes zeros;
-// src == dst scales in place. Any sizes and offsets: 16-byte vector accesses
-// where both pointers allow, scalar accesses elsewhere.
+// dst[i] = cast<dst dtype>(src[i] * scale) for i < numel. src == nullptr
+// writes zeros; src == dst (same dtype only) scales in place. The product is
+// formed in float (double when either side is fp64) and rounded once, to the
+// destination dtype: scaling happens before a narrowing cast, so an fp16
+// destination overflows only where the scaled value itself is beyond fp16's
+// range (it becomes +-inf, as any float -> half conversion does). Any sizes and
+// offsets: 16-byte vector accesses where both pointers allow, scalar accesses
+// elsewhere.
 struct CopySegment {
   const void* src;
   void* dst;
@@ -26,10 +32,18 @@ struct CopySegment {
 // Segments fitting one launch's kernel parameters (CUDA 12.1+ allows 32 KiB).
 constexpr int kMaxSegmentsPerLaunch = 800;
 
-// Copies every segment (all of `dtype`) in ceil(n / kMaxSegmentsPerLaunch)
-// launches on `stream`; throws std::runtime_error naming file:line and the
-// CUDA error if a launch fails. Returns the number of kernel launches.
-int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double scale,
-                cudaStream_t stream);
+// Copies every segment (sources all of `src_dtype`, destinations all of
+// `dst_dtype`; every pair of the four dtypes is supported) in
+// ceil(n / kMaxSegmentsPerLaunch) launches on `stream`; throws
+// std::runtime_error naming file:line and the CUDA error if a launch fails.
+// Returns the number of kernel launches.
+int scaled_copy(const std::vector<CopySegment>& segments, DType src_dtype, DType dst_dtype,
+                double scale, cudaStream_t stream);
+
+// Same dtype on both sides.
+inline int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double scale,
+                       cudaStream_t stream) {
+  return scaled_copy(segments, dtype, dtype, scale, stream);
+}
 
 }  // namespace fused_reducer::cuda

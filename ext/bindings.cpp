@@ -29,13 +29,15 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       bool gradient_as_bucket_view,
                                       bool find_unused_parameters,
                                       double timeout_seconds,
-                                      int64_t last_bucket_bytes) {
+                                      int64_t last_bucket_bytes,
+                                      std::optional<at::ScalarType> reduce_dtype) {
   fused_reducer::ReducerOptions options;
   options.first_bucket_bytes = first_bucket_bytes;
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.last_bucket_bytes = last_bucket_bytes;
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
+  options.reduce_dtype = reduce_dtype;
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
                                    at::Device(control_device), std::move(transport), options);
@@ -76,6 +78,12 @@ fused_reducer::CommHook python_comm_hook(py::object launch) {
   };
 }
 
+// A reduce dtype as stats and telemetry show it: str(torch.dtype), or None
+// (each gradient's own dtype). Strings keep stats() JSON-serialisable.
+py::object dtype_or_none(std::optional<at::ScalarType> dtype) {
+  return dtype ? py::object(py::str(py::cast(*dtype))) : py::none();
+}
+
 // NaN (a time that was never taken) -> None.
 py::object time_or_none(double us) {
   return std::isnan(us) ? py::none() : py::object(py::float_(us));
@@ -113,6 +121,7 @@ py::dict step_dict(const fused_reducer::StepTiming& step) {
   d["first_bucket_bytes"] = step.first_bucket_bytes;
   d["bucket_cap_bytes"] = step.bucket_cap_bytes;
   d["last_bucket_bytes"] = step.last_bucket_bytes;
+  d["reduce_dtype"] = dtype_or_none(step.reduce_dtype);
   d["buckets"] = bucket_dicts(step);
   return d;
 }
@@ -129,6 +138,7 @@ py::dict stats_dict(const Reducer& reducer) {
   d["bucket_cap_bytes"] = s.bucket_cap_bytes;
   d["last_bucket_bytes"] = s.last_bucket_bytes;
   d["buckets"] = s.buckets;
+  d["reduce_dtype"] = dtype_or_none(s.reduce_dtype);
   d["transport"] = s.transport;
   // Telemetry of the last completed step (see Note [Step telemetry]).
   const auto history = reducer.history();
@@ -171,7 +181,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&make_reducer), py::arg("params"), py::arg("names"), py::arg("group"),
            py::arg("control_device"), py::arg("transport"), py::arg("first_bucket_bytes"), py::arg("bucket_cap_bytes"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0)
+           py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
+           py::arg("reduce_dtype") = py::none())
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_sync_enabled", &Reducer::set_sync_enabled)
@@ -201,6 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     &Reducer::set_bucket_cap_bytes)
       .def_property("last_bucket_bytes", &Reducer::last_bucket_bytes,
                     &Reducer::set_last_bucket_bytes)
+      .def_property("reduce_dtype", &Reducer::reduce_dtype, &Reducer::set_reduce_dtype,
+                    "dtype of the buckets of floating-point gradients (None: their own); "
+                    "see Note [Reduce dtype]")
       .def("history",
            [](const Reducer& reducer) {
              py::list out;
@@ -232,7 +246,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allreduce_sum", &fused_reducer::Transport::allreduce_sum, py::arg("flat"),
            py::call_guard<py::gil_scoped_release>(),
            "Start an in-place sum all-reduce of a contiguous tensor; wait() on the result.")
-      .def_property_readonly("name", &fused_reducer::Transport::name);
+      .def_property_readonly("name", &fused_reducer::Transport::name)
+      .def("check", &fused_reducer::Transport::check, py::call_guard<py::gil_scoped_release>(),
+           "Raise the error of a collective that failed in the background, if any.")
+      .def("close",
+           [](fused_reducer::Transport& transport, double deadline_seconds) {
+             transport.close(std::chrono::milliseconds(static_cast<int64_t>(deadline_seconds * 1000)));
+           },
+           py::arg("deadline_seconds") = 10.0, py::call_guard<py::gil_scoped_release>(),
+           "Release the communicator (in-flight work gets until the deadline, then abort).");
   py::class_<fused_reducer::ProcessGroupTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::ProcessGroupTransport>>(m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"));
@@ -254,10 +276,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef FUSED_REDUCER_WITH_CUDA
   py::class_<fused_reducer::NcclTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::NcclTransport>>(m, "NcclTransport")
-      .def(py::init([](const py::bytes& unique_id, int rank, int world_size, int device,
+      // std::string, not py::bytes: arguments are converted with the GIL held,
+      // the body runs without it (NCCL init waits for the peers).
+      .def(py::init([](const std::string& unique_id, int rank, int world_size, int device,
                        double timeout_seconds) {
              return std::make_shared<fused_reducer::NcclTransport>(
-                 std::string(unique_id), rank, world_size, device,
+                 unique_id, rank, world_size, device,
                  std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),

@@ -25,30 +25,43 @@ bool fused_dtype(at::ScalarType type, cuda::DType* out) {
 }
 
 // Both sides one dense block in the same element order (contiguous, or the
-// same strides such as channels_last), of the fused dtype, on `device`.
-bool fits_fused_kernel(const CopyJob& job, at::ScalarType type, at::Device device) {
+// same strides such as channels_last), of the fused pair of dtypes, on `device`.
+bool fits_fused_kernel(const CopyJob& job, at::ScalarType src_type, at::ScalarType dst_type,
+                       at::Device device) {
   const at::Tensor& dst = job.dst;
-  if (dst.scalar_type() != type || dst.device() != device || !dst.is_non_overlapping_and_dense()) {
+  if (dst.scalar_type() != dst_type || dst.device() != device ||
+      !dst.is_non_overlapping_and_dense()) {
     return false;
   }
   const at::Tensor& src = job.src;
   return !src.defined() ||
-         (src.scalar_type() == type && src.device() == device && src.sizes() == dst.sizes() &&
-          src.strides() == dst.strides());
+         (src.scalar_type() == src_type && src.device() == device && src.sizes() == dst.sizes() &&
+          src.strides() == dst.strides() && (src_type == dst_type || !src.is_same(dst)));
 }
 
 // Fused launches for the jobs that fit the kernel; the others are left in `rest`.
+// The (source, destination) dtype pair is the first job's: within a bucket every
+// job has the same pair (gradients of one dtype, one bucket dtype).
 int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<CopyJob>* rest) {
   const at::Tensor& first = jobs.front().dst;
-  cuda::DType dtype;
-  if (!first.is_cuda() || !fused_dtype(first.scalar_type(), &dtype)) {
+  at::ScalarType src_type = first.scalar_type();
+  for (const auto& job : jobs) {
+    if (job.src.defined()) {
+      src_type = job.src.scalar_type();
+      break;
+    }
+  }
+  cuda::DType src_dtype;
+  cuda::DType dst_dtype;
+  if (!first.is_cuda() || !fused_dtype(src_type, &src_dtype) ||
+      !fused_dtype(first.scalar_type(), &dst_dtype)) {
     *rest = jobs;
     return 0;
   }
   std::vector<cuda::CopySegment> segments;
   segments.reserve(jobs.size());
   for (const auto& job : jobs) {
-    if (fits_fused_kernel(job, first.scalar_type(), first.device())) {
+    if (fits_fused_kernel(job, src_type, first.scalar_type(), first.device())) {
       segments.push_back({job.src.defined() ? job.src.data_ptr() : nullptr, job.dst.data_ptr(),
                           job.dst.numel()});
     } else {
@@ -60,7 +73,7 @@ int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<C
   }
   c10::cuda::CUDAGuard guard(first.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(first.device().index());
-  return cuda::scaled_copy(segments, dtype, scale, stream.stream());
+  return cuda::scaled_copy(segments, src_dtype, dst_dtype, scale, stream.stream());
 }
 #endif
 
@@ -83,12 +96,25 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
   const auto scale_tensor = at::native::wrapped_scalar_tensor(scale);
   for (const auto& job : rest) {
     at::Tensor dst = job.dst;
-    if (!job.src.defined()) {
+    const at::Tensor& src = job.src;
+    if (!src.defined()) {
       dst.zero_();
     } else if (scale == 1.0) {
-      if (!job.src.is_same(dst)) dst.copy_(job.src);
+      if (!src.is_same(dst)) dst.copy_(src);  // casts when the dtypes differ
+    } else if (src.scalar_type() == dst.scalar_type() ||
+               at::promote_types(src.scalar_type(), dst.scalar_type()) == src.scalar_type()) {
+      // Same dtype, or narrowing (fp32 -> bf16): the product is formed in the
+      // source dtype and rounded once into dst (TensorIterator casts the
+      // common dtype to the output), so an fp16 bucket sees the scaled value.
+      at::mul_out(dst, src, scale_tensor);
+    } else if (at::promote_types(src.scalar_type(), dst.scalar_type()) == dst.scalar_type()) {
+      // Widening (bf16 -> fp32): a product in the source dtype would round to
+      // bf16 first; cast exactly, then scale in the wider dtype.
+      dst.copy_(src);
+      dst.mul_(scale_tensor);
     } else {
-      at::mul_out(dst, job.src, scale_tensor);
+      // Neither holds the other (bf16 <-> fp16): scale in fp32, round once.
+      at::mul_out(dst, src.to(at::kFloat), scale_tensor);
     }
   }
   return launches;

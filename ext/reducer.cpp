@@ -38,6 +38,23 @@ double now_us() {
       .count();
 }
 
+// How Python spells a dtype, for error messages.
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(type);
+  }
+}
+
+// The rank-0 layout message carries the reduce dtype as an int64: -1 for none.
+constexpr int64_t kNoReduceDtype = -1;
+
 std::string megabytes(int64_t bytes) {
   std::ostringstream out;
   out.precision(3);
@@ -47,6 +64,26 @@ std::string megabytes(int64_t bytes) {
 
 }  // namespace
 
+// Note [Reduce dtype]
+// options_.reduce_dtype (FusedReducer(reduce_dtype=...), model.reduce_dtype)
+// is the dtype every bucket of floating-point gradients holds; nullopt keeps
+// each gradient's own dtype (integer or complex gradients always keep theirs).
+// Groups stay one per (gradient dtype, device), so every job of a bucket has
+// the same (gradient dtype, bucket dtype) pair and the pack is still one fused
+// launch per bucket: the copy scales and casts in one pass (scale first, so an
+// fp16 bucket holds grad / world_size and overflows only where that value
+// itself is beyond fp16's range; and never ncclAvg into fp16, whose averaging
+// would come after the cast). The unpack casts the reduced bucket back into
+// param.grad in the gradient's own dtype. Bucket limits and bucket_sizes()
+// count bytes of the bucket dtype: what the collective moves. Accumulation
+// (no_sync) stays in param.grad, in its own dtype; the cast happens once, at
+// the synchronised step. A gradient cannot be a view of a bucket of another
+// dtype, so gradient_as_bucket_view with a reduce dtype other than a floating
+// gradient's dtype is refused (check_bucket_view_dtypes). The reduce dtype
+// follows the rules of the limits (Note [Persistent limits]): set between
+// steps, applied by the next rebuild, kept by every later one, rank 0's value
+// travels with the layout broadcast.
+
 // Note [Persistent limits]
 // DDP reads its first-bucket size once, and its rebuild uses a C++ constant,
 // so changing it later has no effect. Here the limits live in options_ and
@@ -54,6 +91,15 @@ std::string megabytes(int64_t bytes) {
 // and every rebuild a user asks for) is computed from them, so a value set by
 // the user holds until it is set again. Rank 0's values travel with the
 // layout broadcast, so ranks cannot disagree on them.
+
+void check_reduce_dtype(std::optional<at::ScalarType> dtype) {
+  if (!dtype || *dtype == at::kFloat || *dtype == at::kBFloat16 || *dtype == at::kHalf) {
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "FusedReducer: reduce_dtype=", dtype_name(*dtype),
+                    " is not supported; accepted: torch.bfloat16, torch.float16, torch.float32, "
+                    "or None (each gradient's own dtype)");
+}
 
 Reducer::Reducer(std::vector<at::Tensor> params,
                  std::vector<std::string> names,
@@ -74,6 +120,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   check_bucket_bytes("first_bucket_bytes", options_.first_bucket_bytes);
   check_bucket_bytes("bucket_cap_bytes", options_.bucket_cap_bytes);
   check_last_bucket_bytes(options_.last_bucket_bytes);
+  check_reduce_dtype(options_.reduce_dtype);
 
   // One bucket group per (dtype, device), numbered in registration order.
   std::map<std::pair<int, std::string>, int64_t> groups;
@@ -83,6 +130,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
     infos_.push_back({static_cast<int64_t>(p.numel() * p.element_size()), it->second});
     param_options_.push_back(p.options());
   }
+  check_bucket_view_dtypes(options_.reduce_dtype);
   locally_used_.assign(params_.size(), 0);
   copy_at_hook_ = !params_.front().is_cuda();
 
@@ -240,9 +288,11 @@ void Reducer::launch_ready_buckets() {
 // What pack_bucket multiplies gradients by so that the sum is the average:
 // 1 when a communication hook averages (DDP's hooks divide themselves) or the
 // transport averages natively over the whole world (ncclAvg).
+// With fp16 buckets the copy always scales (before the cast): see Note [Reduce dtype].
 double Reducer::gradient_scale() const {
   const int64_t divisor = divide_factor_ > 0 ? divide_factor_ : world_size_;
-  if (comm_hook_ || (transport_->averages() && divisor == world_size_)) {
+  const bool half_buckets = stats_.reduce_dtype == at::kHalf;
+  if (comm_hook_ || (transport_->averages() && divisor == world_size_ && !half_buckets)) {
     return 1.0;
   }
   return 1.0 / static_cast<double>(divisor);
@@ -274,7 +324,7 @@ void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vecto
     }
   } else {
     jobs.push_back({grad, view});
-    if (options_.gradient_as_bucket_view) {
+    if (options_.gradient_as_bucket_view && grad.scalar_type() == view.scalar_type()) {
       grad = view;  // from now on autograd accumulates straight into the bucket
     }
   }
@@ -293,7 +343,10 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
     at::Tensor& grad = params_[index].mutable_grad();
     const at::Tensor& view = bucket.views[slot];
     if (!grad.defined()) {
-      grad = options_.gradient_as_bucket_view ? view : view.clone();
+      // A copy in the gradient's own dtype (the bucket's may differ: Note [Reduce dtype]).
+      grad = options_.gradient_as_bucket_view
+                 ? view
+                 : view.to(params_[index].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     } else if (!grad.is_alias_of(view)) {
       jobs.push_back({view, grad});
     }
@@ -390,6 +443,7 @@ void Reducer::record_step(double backward_end, double finalize_end) {
   step.first_bucket_bytes = options_.first_bucket_bytes;
   step.bucket_cap_bytes = options_.bucket_cap_bytes;
   step.last_bucket_bytes = options_.last_bucket_bytes;
+  step.reduce_dtype = stats_.reduce_dtype;  // of the layout this step ran with
   std::vector<std::pair<double, double>> busy;  // [launch, complete] per bucket
   for (const auto& bucket : buckets_) {
     BucketTiming t = bucket.timing;
@@ -538,12 +592,13 @@ std::vector<int64_t> Reducer::observed_order() const {
 // parameters whose sizes were verified equal at construction.
 void Reducer::rebuild_from_rank0() {
   const auto count = static_cast<int64_t>(params_.size());
-  constexpr int64_t kLimits = 3;  // first, cap, last
+  constexpr int64_t kLimits = 4;  // first, cap, last, reduce dtype
   at::Tensor message = at::empty({kLimits + count}, at::kLong);
   auto* data = message.data_ptr<int64_t>();
   data[0] = options_.first_bucket_bytes;
   data[1] = options_.bucket_cap_bytes;
   data[2] = options_.last_bucket_bytes;
+  data[3] = options_.reduce_dtype ? static_cast<int64_t>(*options_.reduce_dtype) : kNoReduceDtype;
   const auto order = observed_order();
   std::copy(order.begin(), order.end(), data + kLimits);
 
@@ -561,12 +616,48 @@ void Reducer::rebuild_from_rank0() {
   options_.first_bucket_bytes = data[0];
   options_.bucket_cap_bytes = data[1];
   options_.last_bucket_bytes = data[2];
+  options_.reduce_dtype = data[3] == kNoReduceDtype
+                              ? std::nullopt
+                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3]));
   build_buckets(std::vector<int64_t>(data + kLimits, data + kLimits + count));
   rebuild_pending_ = false;
   stats_.rebuilds += 1;
 }
 
+// The dtype of parameter `index`'s slot: the reduce dtype for floating-point
+// gradients when one is set, else the gradient's own. See Note [Reduce dtype].
+at::ScalarType Reducer::bucket_dtype(int64_t index) const {
+  const at::ScalarType type = params_[index].scalar_type();
+  if (options_.reduce_dtype && at::isFloatingType(type)) {
+    return *options_.reduce_dtype;
+  }
+  return type;
+}
+
+// gradient_as_bucket_view: param.grad becomes a view of its slot, which needs
+// the slot to have the gradient's dtype.
+void Reducer::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const {
+  if (!options_.gradient_as_bucket_view || !dtype) {
+    return;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::ScalarType type = params_[i].scalar_type();
+    TORCH_CHECK_VALUE(
+        !at::isFloatingType(type) || type == *dtype,
+        "FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own dtype, "
+        "but reduce_dtype=", dtype_name(*dtype), " differs from the dtype of parameter '",
+        names_[i], "' (", dtype_name(type), "): a ", dtype_name(type),
+        " gradient cannot be a view of a ", dtype_name(*dtype), " bucket. Use "
+        "gradient_as_bucket_view=False, or reduce_dtype=None or ", dtype_name(type), ".");
+  }
+}
+
 void Reducer::build_buckets(const std::vector<int64_t>& order) {
+  // Bucket limits count bytes of the bucket dtype (what the collective moves).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    infos_[i].bytes = params_[i].numel() *
+                      static_cast<int64_t>(c10::elementSize(bucket_dtype(static_cast<int64_t>(i))));
+  }
   const auto assignment = assign_buckets(
       infos_, order,
       {options_.first_bucket_bytes, options_.bucket_cap_bytes, options_.last_bucket_bytes});
@@ -577,15 +668,17 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
     Bucket& bucket = buckets[b];
     bucket.params = assignment[b];
     const auto& first = params_[bucket.params.front()];
+    const at::ScalarType dtype = bucket_dtype(bucket.params.front());
     // See Note [Slot layout].
-    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / first.element_size());
+    const int64_t align =
+        std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
     std::vector<int64_t> offsets;
     int64_t numel = 0;
     for (int64_t index : bucket.params) {
       offsets.push_back(numel);
       numel += (params_[index].numel() + align - 1) / align * align;
     }
-    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+    bucket.flat = at::zeros({numel}, first.options().dtype(dtype).requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const int64_t index = bucket.params[slot];
       const auto& param = params_[index];
@@ -611,6 +704,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   stats_.first_bucket_bytes = options_.first_bucket_bytes;
   stats_.bucket_cap_bytes = options_.bucket_cap_bytes;
   stats_.last_bucket_bytes = options_.last_bucket_bytes;
+  stats_.reduce_dtype = options_.reduce_dtype;
 }
 
 // ---------------------------------------------------------------------------
@@ -636,6 +730,19 @@ void Reducer::set_last_bucket_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   options_.last_bucket_bytes = bytes;
   rebuild_pending_ = true;
+}
+
+void Reducer::set_reduce_dtype(std::optional<at::ScalarType> dtype) {
+  check_reduce_dtype(dtype);
+  check_bucket_view_dtypes(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.reduce_dtype = dtype;
+  rebuild_pending_ = true;
+}
+
+std::optional<at::ScalarType> Reducer::reduce_dtype() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.reduce_dtype;
 }
 
 int64_t Reducer::last_bucket_bytes() const {

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,14 @@ struct ReducerOptions {
   bool gradient_as_bucket_view = false;
   bool find_unused_parameters = false;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  // dtype of the buckets of floating-point gradients; nullopt: each gradient's
+  // own dtype. See Note [Reduce dtype].
+  std::optional<at::ScalarType> reduce_dtype;
 };
+
+// Throws c10::ValueError naming `dtype` and the accepted ones unless it is
+// nullopt, float32, bfloat16 or float16.
+void check_reduce_dtype(std::optional<at::ScalarType> dtype);
 
 struct ReducerStats {
   int64_t step = 0;             // completed synchronised backward passes
@@ -48,6 +56,7 @@ struct ReducerStats {
   int64_t bucket_cap_bytes = 0;
   int64_t last_bucket_bytes = 0;
   int64_t buckets = 0;
+  std::optional<at::ScalarType> reduce_dtype;  // of the layout in force (nullopt: grads' own)
   std::string transport;
 };
 
@@ -86,6 +95,7 @@ struct StepTiming {
   int64_t first_bucket_bytes = 0;
   int64_t bucket_cap_bytes = 0;
   int64_t last_bucket_bytes = 0;
+  std::optional<at::ScalarType> reduce_dtype;
   std::vector<BucketTiming> buckets;
 };
 
@@ -134,6 +144,9 @@ class Reducer {
   int64_t first_bucket_bytes() const;
   int64_t bucket_cap_bytes() const;
   int64_t last_bucket_bytes() const;
+  // Same rules as the limits; see Note [Reduce dtype].
+  void set_reduce_dtype(std::optional<at::ScalarType> dtype);
+  std::optional<at::ScalarType> reduce_dtype() const;
   void request_rebuild();
 
   // no_sync(): hooks do nothing; gradients accumulate in param.grad and the
@@ -153,7 +166,7 @@ class Reducer {
   std::vector<ZeroBucket> zero_buckets() const;
   void note_shadowed_step();
 
-  std::vector<int64_t> bucket_sizes() const;              // bytes, launch order
+  std::vector<int64_t> bucket_sizes() const;              // bytes (of the bucket dtype), launch order
   std::vector<int64_t> bucket_numels() const;             // elements of each flat buffer
   std::vector<std::vector<int64_t>> bucket_params() const;  // parameter indices
   ReducerStats stats() const;
@@ -191,6 +204,8 @@ class Reducer {
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
   void build_buckets(const std::vector<int64_t>& order);
+  at::ScalarType bucket_dtype(int64_t index) const;  // of parameter `index`'s bucket
+  void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
   void check_params_unchanged() const;
   double gradient_scale() const;
   void rebuild_from_rank0();
@@ -201,7 +216,7 @@ class Reducer {
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<TensorInfo> infos_;
+  std::vector<TensorInfo> infos_;  // bytes in the bucket dtype, set by build_buckets
   std::vector<at::TensorOptions> param_options_;  // dtype and device at construction
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::Device control_device_;

@@ -43,6 +43,12 @@ class Transport {
   }
   // Short name for stats and error messages, e.g. "process_group(gloo)".
   virtual std::string name() const = 0;
+  // Raises the error of a collective that failed in the background (the NCCL
+  // watchdog), if any.
+  virtual void check() {}
+  // Releases the communicator: in-flight work gets until `deadline`, then it
+  // is aborted. Idempotent; nothing may be launched afterwards.
+  virtual void close(std::chrono::milliseconds deadline) { (void)deadline; }
 };
 
 }  // namespace fused_reducer

@@ -3,8 +3,10 @@
 Python does the once-per-construction and once-per-forward work (checks, broadcasts, the safe
 point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
 """
+import atexit
 import logging
 import os
+import weakref
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,8 +19,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
-from .transport import make_transport, resolve_backend
-from .settings import check_bytes, get_default_first_bucket_bytes, megabytes_to_bytes
+from .transport import check_one_rank_per_gpu, make_transport, resolve_backend
+from .settings import (check_bytes, check_reduce_dtype, get_default_first_bucket_bytes,
+                       megabytes_to_bytes)
 
 _log = logging.getLogger("fused_reducer")
 
@@ -46,6 +49,9 @@ class FusedReducer(nn.Module, Joinable):
     ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
     their own (see ``last_bucket_bytes``). ``autotune=True`` starts ``autotune()`` at once: the
     limits are then measured and chosen while training goes on (docs/TUNING.md).
+    ``reduce_dtype`` (None = each gradient's own dtype; torch.bfloat16, torch.float16 or
+    torch.float32): the dtype the buckets of floating-point gradients are reduced in; settable
+    later as ``model.reduce_dtype`` (docs/REDUCE_DTYPE.md).
     ``FUSED_REDUCER_DEBUG=1`` logs layout changes, rebuilds and tuning decisions to the
     ``fused_reducer`` logger.
 
@@ -59,7 +65,7 @@ class FusedReducer(nn.Module, Joinable):
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
                  broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10),
-                 last_bucket_mb=None, autotune=False, static_graph=False):
+                 last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None):
         super().__init__()
         Joinable.__init__(self)
         if static_graph:
@@ -73,6 +79,7 @@ class FusedReducer(nn.Module, Joinable):
         last_bytes = (0 if last_bucket_mb is None or (not isinstance(last_bucket_mb, bool)
                                                       and last_bucket_mb == 0)
                       else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
+        reduce_dtype = check_reduce_dtype(reduce_dtype)
         timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if not timeout_s > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -89,6 +96,7 @@ class FusedReducer(nn.Module, Joinable):
         _refuse_sparse_gradients(module)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
+        _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named)
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise FusedReducerError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
@@ -97,6 +105,7 @@ class FusedReducer(nn.Module, Joinable):
         self.backend = resolve_backend(backend, self.device)
         self._timeout_s = timeout_s
         self._limits = (first_bytes, cap_bytes, last_bytes)  # kept for re-attaching after pickling
+        self._reduce_dtype = reduce_dtype  # likewise
         self._syncing = True
         self._require_forward_param_sync = True  # DDP: buffers sync unless the last forward didn't
         self._divide_by_initial_world_size = True
@@ -113,22 +122,56 @@ class FusedReducer(nn.Module, Joinable):
     def _attach(self, params):
         """The collective part of construction: check the model across ranks, broadcast rank 0's
         parameters and buffers, join the transport, build the C++ reducer (hooks installed)."""
-        self._control_device = _control_device(self.process_group, params)
+        nccl_group = dist.get_backend(self.process_group) == "nccl"
+        if self.device.type == "cuda" and (nccl_group or self.backend == "nccl"):
+            check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
+        self._control_device = _control_device(nccl_group, self.device)
         _verify_same_model(self.process_group, self._param_names, params, self._control_device)
         self._broadcast(params + list(self.module.buffers()), 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
         self._transport = make_transport(self.process_group, self.device, self.backend,
-                                         self._timeout_s)
+                                         self._timeout_s, check_devices=False)
         first_bytes, cap_bytes, last_bytes = self._limits
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device),
             self._transport, first_bytes, cap_bytes, self.gradient_as_bucket_view,
-            self.find_unused_parameters, self._timeout_s, last_bytes)
+            self.find_unused_parameters, self._timeout_s, last_bytes,
+            reduce_dtype=self._reduce_dtype)
         self._reducer.set_trace_capacity(self._trace_steps)
         if self._comm_hook is not None:
-            self._reducer.set_comm_hook(self._launch_comm_hook)
+            self._reducer.set_comm_hook(_comm_hook_launcher(self))
+        _live_reducers.add(self)
         if self._debug:
             self._log_layout("initial layout")
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self):
+        """Remove the gradient hooks and release the communicator: collectives still in flight
+        get until ``timeout`` (at most 10 s), then the communicator is aborted, so a dead peer
+        never makes exit hang. Not collective; idempotent. Runs at interpreter exit and when the
+        model is garbage collected if not called. Raises afterwards if a collective had failed
+        in the background. The model cannot be trained after close()."""
+        self._closed = True
+        reducer, transport = self.__dict__.get("_reducer"), self.__dict__.get("_transport")
+        self._reducer = self._transport = self._tuner = None
+        failure = None
+        if transport is not None:
+            try:
+                transport.check()
+            except RuntimeError as e:
+                failure = e
+        del reducer  # hooks removed, launched collectives waited for (bounded by the timeout)
+        if transport is not None:
+            transport.close(min(self._timeout_s, 10.0))
+        if failure is not None:
+            raise failure
+
+    def __del__(self):
+        try:
+            if self.__dict__.get("_reducer") is not None:
+                self.close()
+        except Exception:  # noqa: BLE001 - never raise from the garbage collector
+            pass
 
     # -- pickling: like DDP, the process group and the reducer are not part of the pickle ------
     def __getstate__(self):
@@ -136,7 +179,9 @@ class FusedReducer(nn.Module, Joinable):
         if state.get("_reducer") is not None:
             state["_limits"] = (self.first_bucket_bytes, self.bucket_cap_bytes,
                                 self.last_bucket_bytes)
-        for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device"):
+            state["_reduce_dtype"] = self.reduce_dtype
+        for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
+                          "_closed"):
             state[transient] = None
         return state
 
@@ -154,7 +199,11 @@ class FusedReducer(nn.Module, Joinable):
         """Once per forward, outside any torch.compile graph: the safe point for rebuilds, the
         join protocol and the buffer broadcast, in DDP's order."""
         if self._reducer is None:
+            if self.__dict__.get("_closed"):
+                raise RuntimeError("FusedReducer: this model was closed (close()); wrap the module "
+                                   "in a new FusedReducer to train it again")
             self._reattach()
+        self._transport.check()  # a collective that failed in the background raises here
         _refuse_compiled_autograd()
         grad_sync = torch.is_grad_enabled() and self._syncing
         join_work = Join.notify_join_context(self)
@@ -241,18 +290,16 @@ class FusedReducer(nn.Module, Joinable):
         """Reduce every bucket with a DDP communication hook ``hook(state, bucket) -> Future``
         (e.g. from torch.distributed.algorithms.ddp_comm_hooks) instead of the built-in
         all-reduce. As in DDP it can be registered once, on every rank; the bucket a hook sees is
-        a GradBucket (index(), buffer(), gradients(), parameters(), is_last(), set_buffer())."""
+        a GradBucket (index(), buffer(), gradients(), parameters(), is_last(), set_buffer()).
+        With a reduce_dtype the bucket (buffer and gradients) holds that dtype; the hook's result
+        is cast back into param.grad in the gradient's dtype."""
         check_hook(hook)
         if self._comm_hook is not None:
             raise FusedReducerError(
                 "FusedReducer: register_comm_hook can only be called once (as in DDP); "
                 f"a hook ({_name_of(self._comm_hook[1])}) is already registered")
         self._comm_hook = (state, hook)
-        self._reducer.set_comm_hook(self._launch_comm_hook)
-
-    def _launch_comm_hook(self, index, is_last, flat, views, params):
-        # Called from the C++ reducer when a bucket is complete.
-        return self._run_comm_hook(index, is_last, flat, views, params)
+        self._reducer.set_comm_hook(_comm_hook_launcher(self))
 
     def _run_comm_hook(self, index, is_last, flat, views, params):
         state, hook = self._comm_hook
@@ -315,6 +362,25 @@ class FusedReducer(nn.Module, Joinable):
         else:
             nbytes = check_bytes("last_bucket_bytes", nbytes)
         self._reducer.last_bucket_bytes = nbytes
+
+    @property
+    def reduce_dtype(self):
+        """dtype of the buckets of floating-point gradients (None: each gradient's own). Setting
+        it (torch.bfloat16, torch.float16, torch.float32 or None) follows first_bucket_bytes'
+        rules: collective, applied by a rebuild at the next forward, kept by later rebuilds,
+        rank 0's value wins. Gradients are scaled, cast into the bucket, reduced, and cast back
+        into param.grad in their own dtype; bucket limits count bytes of this dtype.
+        See docs/REDUCE_DTYPE.md."""
+        return self._reducer.reduce_dtype
+
+    @reduce_dtype.setter
+    def reduce_dtype(self, dtype):
+        dtype = check_reduce_dtype(dtype)
+        _check_bucket_view_dtypes(
+            self.gradient_as_bucket_view, dtype,
+            [(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
+        self._reducer.reduce_dtype = dtype
+        self._reduce_dtype = dtype
 
     def rebuild_buckets(self):
         """Rebuild the layout at the next forward from the last observed gradient-ready order."""
@@ -409,6 +475,21 @@ class FusedReducer(nn.Module, Joinable):
             self._log_layout(f"layout rebuilt (rebuild {rebuilds})")
 
 
+def _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):
+    """gradient_as_bucket_view makes param.grad a view of its bucket slot: impossible when the
+    bucket holds another dtype than the gradient (see Note [Reduce dtype])."""
+    if not gradient_as_bucket_view or reduce_dtype is None:
+        return
+    for name, p in named:
+        if p.is_floating_point() and p.dtype != reduce_dtype:
+            raise FusedReducerError(
+                f"FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own "
+                f"dtype, but reduce_dtype={reduce_dtype} differs from the dtype of parameter "
+                f"'{name}' ({p.dtype}): a {p.dtype} gradient cannot be a view of a "
+                f"{reduce_dtype} bucket. Use gradient_as_bucket_view=False, or reduce_dtype=None "
+                f"or {p.dtype}.")
+
+
 def _debug_enabled():
     """FUSED_REDUCER_DEBUG=1: debug records of the 'fused_reducer' logger are shown on stderr
     (a handler is added unless the application configured one)."""
@@ -421,6 +502,30 @@ def _debug_enabled():
         handler.setFormatter(logging.Formatter("[fused_reducer %(levelname)s] %(message)s"))
         _log.addHandler(handler)
     return True
+
+
+_live_reducers = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_reducers():
+    """At interpreter exit, release every communicator still open (bounded: see close())."""
+    for model in list(_live_reducers):
+        try:
+            model.close()
+        except Exception:  # noqa: BLE001 - exit must go on
+            pass
+
+
+def _comm_hook_launcher(model):
+    """What the C++ reducer calls when a bucket is complete and a hook is registered. It holds
+    the model weakly: the reducer (owned by the model) must not keep the model alive."""
+    ref = weakref.ref(model)
+
+    def launch(index, is_last, flat, views, params):
+        return ref()._run_comm_hook(index, is_last, flat, views, params)
+
+    return launch
 
 
 def _name_of(hook):
@@ -456,12 +561,17 @@ def _resolve_group(process_group):
     return dist.group.WORLD
 
 
-def _control_device(group, params):
-    """Where small control tensors live: NCCL groups only move CUDA tensors."""
-    if dist.get_backend(group) == "nccl":
-        cuda_params = [p for p in params if p.is_cuda]
-        return cuda_params[0].device if cuda_params else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _control_device(nccl_group, device):
+    """Where the library's own small control tensors live: the parameters' GPU for an NCCL
+    group (it only moves CUDA tensors, and never another rank's GPU), else the CPU."""
+    if not nccl_group:
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise FusedReducerError(
+            f"FusedReducer: the process group uses NCCL but the parameters are on {device}; move "
+            "the model to this rank's GPU first (torch.cuda.set_device(local_rank); "
+            "model.to(f'cuda:{local_rank}')), or use a gloo process group for CPU training")
+    return device
 
 
 def _refuse_sparse_gradients(module):

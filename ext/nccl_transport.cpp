@@ -1,0 +1,140 @@
+#ifdef FUSED_REDUCER_WITH_CUDA
+#include "nccl_transport.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <sstream>
+
+#include "cuda_check.h"
+
+namespace fused_reducer {
+namespace {
+
+ncclDataType_t nccl_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ncclFloat32;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kDouble: return ncclFloat64;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default:
+      TORCH_CHECK(false, "FusedReducer: NCCL transport cannot reduce dtype ", t.scalar_type());
+  }
+}
+
+// A CUDA event destroyed when its last owner (the pending collective, the
+// watchdog) lets go; CUDA defers the release until the event has completed.
+std::shared_ptr<cudaEvent_t> make_event() {
+  auto* event = new cudaEvent_t(nullptr);
+  FR_CUDA_CHECK(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+  return std::shared_ptr<cudaEvent_t>(event, [](cudaEvent_t* e) {
+    cudaEventDestroy(*e);
+    delete e;
+  });
+}
+
+// See Note [NCCL without host stalls].
+class PendingNccl : public PendingCollective {
+ public:
+  PendingNccl(std::shared_ptr<cuda::Watchdog> watchdog, std::shared_ptr<cudaEvent_t> done,
+              int device)
+      : watchdog_(watchdog), done_(std::move(done)), device_(device) {}
+  void wait(std::chrono::milliseconds /*timeout: the watchdog's*/) override {
+    watchdog_->check();
+    c10::cuda::CUDAGuard guard(device_);
+    const auto current = c10::cuda::getCurrentCUDAStream(device_);
+    FR_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), *done_, 0));
+  }
+  bool completed() override { return cudaEventQuery(*done_) == cudaSuccess; }
+
+ private:
+  std::shared_ptr<cuda::Watchdog> watchdog_;
+  std::shared_ptr<cudaEvent_t> done_;
+  int device_;
+};
+
+}  // namespace
+
+std::string nccl_unique_id() { return cuda::nccl_unique_id(); }
+int nccl_version() { return cuda::nccl_version(); }
+
+NcclTransport::NcclTransport(const std::string& unique_id, int rank, int world_size, int device,
+                             std::chrono::milliseconds timeout)
+    : device_(device),
+      timeout_(timeout),
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)) {
+  c10::cuda::CUDAGuard guard(device_);
+  comm_ = std::make_shared<cuda::NcclComm>(unique_id, rank, world_size, device, timeout);
+  watchdog_ = std::make_shared<cuda::Watchdog>(comm_);
+}
+
+NcclTransport::~NcclTransport() {
+  close(std::chrono::seconds(5));
+}
+
+void NcclTransport::check() {
+  if (watchdog_) {
+    watchdog_->check();
+  }
+}
+
+void NcclTransport::close(std::chrono::milliseconds deadline) {
+  if (!watchdog_) {
+    return;
+  }
+  watchdog_->drain(deadline);
+  watchdog_.reset();  // the last owner joins its thread
+  comm_->close(deadline);
+}
+
+bool NcclTransport::averages() const {
+  static const bool has_avg = nccl_version() >= 21000;  // ncclAvg arrived in NCCL 2.10
+  return has_avg;
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum(at::Tensor& flat) {
+  return allreduce(flat, ncclSum);
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce_average(at::Tensor& flat) {
+  return allreduce(flat, ncclAvg);
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op) {
+  TORCH_CHECK(watchdog_, "FusedReducer: the NCCL transport was closed; construct a new FusedReducer");
+  watchdog_->check();
+  TORCH_CHECK(flat.is_cuda() && flat.device().index() == device_ && flat.is_contiguous(),
+              "FusedReducer: the NCCL transport reduces contiguous tensors on cuda:", device_,
+              ", got ", flat.device(), flat.is_contiguous() ? "" : " (non-contiguous)");
+  c10::cuda::CUDAGuard guard(device_);
+  // The bucket was filled on the current stream: the all-reduce waits for it on the GPU.
+  const auto current = c10::cuda::getCurrentCUDAStream(device_);
+  auto filled = make_event();
+  FR_CUDA_CHECK(cudaEventRecord(*filled, current.stream()));
+  FR_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), *filled, 0));
+  // The caching allocator must not hand this memory out again before NCCL is done with it.
+  c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), stream_);
+  try {
+    comm_->allreduce(flat.data_ptr(), static_cast<size_t>(flat.numel()), nccl_type(flat), op,
+                     stream_.stream(), timeout_);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  auto done = make_event();
+  FR_CUDA_CHECK(cudaEventRecord(*done, stream_.stream()));
+  std::ostringstream what;
+  what << "all-reduce #" << ++launched_ << " (" << flat.numel() * flat.element_size()
+       << " bytes) on cuda:" << device_;
+  watchdog_->watch(done, timeout_, what.str());
+  return std::make_unique<PendingNccl>(watchdog_, done, device_);
+}
+
+std::string NcclTransport::name() const {
+  return "nccl";
+}
+
+}  // namespace fused_reducer
+
+#endif  // FUSED_REDUCER_WITH_CUDA

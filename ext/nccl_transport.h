@@ -1,0 +1,71 @@
+// NCCL transport: the torch-aware adapter of cuda/nccl_comm.h to the reducer's
+// Transport interface. Compiled only in CUDA builds (setup.py defines
+// FUSED_REDUCER_WITH_CUDA); the whole header is NCCL-only.
+#pragma once
+#ifdef FUSED_REDUCER_WITH_CUDA
+
+#include <c10/cuda/CUDAStream.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "nccl_comm.h"
+#include "transport.h"
+
+namespace fused_reducer {
+
+// Note [NCCL without host stalls]
+// One in-place ncclAllReduce per bucket on the reducer's own high-priority
+// stream. The host never waits for the GPU: the all-reduce's stream waits for
+// the bucket copy (an event on the stream that packed it), and wait() only
+// makes the caller's current stream wait for the all-reduce's completion
+// event, so the unpack and everything the user queues next (optimizer, next
+// forward) are ordered after it on the GPU while the CPU runs ahead, as with
+// DDP. Timeouts and NCCL's asynchronous errors are the watchdog's job
+// (cuda::Watchdog): at a deadline it aborts the communicator, and the next
+// call into the transport (next bucket, wait, check(), close()) raises.
+// Memory: each flat buffer is marked as used by the NCCL stream
+// (record_stream), so a buffer freed by a rebuild is not reused before the
+// all-reduce that reads it is done.
+//
+// Two communicators: the reducer also issues collectives through the torch
+// process group (layout and buffer broadcasts). Those are enqueued by the
+// host only after finalize_backward made the current stream wait for every
+// bucket, and the process group's wait() makes the current stream wait for
+// them before the next bucket's copy, so the two never overlap on the GPU.
+// Users must not run other collectives on other streams concurrently with
+// backward (DDP has the same rule).
+class NcclTransport : public Transport {
+ public:
+  // Joins the communicator `unique_id` as `rank` of `world_size` on CUDA
+  // `device`. Raises, after aborting, if the peers do not all join within
+  // `timeout`, which also bounds every all-reduce.
+  NcclTransport(const std::string& unique_id, int rank, int world_size, int device,
+                std::chrono::milliseconds timeout);
+  ~NcclTransport() override;
+
+  std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
+  std::unique_ptr<PendingCollective> allreduce_average(at::Tensor& flat) override;
+  bool averages() const override;  // ncclAvg: NCCL >= 2.10
+  std::string name() const override;
+  void check() override;
+  void close(std::chrono::milliseconds deadline) override;
+
+ private:
+  std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, ncclRedOp_t op);
+
+  std::shared_ptr<cuda::NcclComm> comm_;
+  std::shared_ptr<cuda::Watchdog> watchdog_;
+  int device_;
+  std::chrono::milliseconds timeout_;
+  c10::cuda::CUDAStream stream_;
+  int64_t launched_ = 0;
+};
+
+std::string nccl_unique_id();
+int nccl_version();
+
+}  // namespace fused_reducer
+
+#endif  // FUSED_REDUCER_WITH_CUDA
