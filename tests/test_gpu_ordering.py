@@ -1,0 +1,232 @@
+"""The CUDA path's ordering, teardown and multi-rank behaviour on ONE GPU (bench/gpu_check.sh).
+
+* Ordering without host waits: an all-reduce waits (on the GPU) for the stream that filled its
+  bucket, and readers on another stream wait for the all-reduce. A producer stream that sleeps
+  ~200 ms makes any missing wait visible as a wrong value, not as a timing guess.
+* Teardown: close(), a peer that never joins, interpreter exit after an abort: each bounded.
+* Two ranks on the one GPU through backend="process_group" over gloo with CUDA tensors: every
+  kernel runs with a real scale of 1/2, against DDP on the same GPU.
+* SyncBatchNorm and CUDA AMP (GradScaler) train as under DDP (world size 1 over NCCL).
+Skipped without a GPU or without a CUDA build.
+"""
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_reducer
+from fused_reducer import _C
+from dist_utils import free_port, per_rank, run_checks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not fused_reducer.build_info()["cuda"], reason="needs a CUDA build"),
+]
+
+SLEEP_CYCLES = 400_000_000  # ~200 ms at ~2 GHz
+
+
+@pytest.fixture(scope="module")
+def nccl_world_of_one():
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_allreduce_waits_for_the_filling_stream_and_readers_wait_for_it(nccl_world_of_one):
+    transport = fused_reducer.make_transport(dist.group.WORLD, "cuda:0", "nccl", 30.0)
+    flat = torch.zeros(1 << 20, device="cuda")
+    producer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        flat.fill_(2.0)
+        pending = transport.allreduce_sum(flat)  # must wait for the fill (the "filled" event)
+    started = time.monotonic()
+    with torch.cuda.stream(reader):
+        pending.wait(30.0)  # the reader stream waits for the all-reduce (the "done" event)
+        seen = flat.clone()
+    host_wait = time.monotonic() - started
+    torch.cuda.synchronize()
+    assert host_wait < 0.1, f"wait() blocked the host for {host_wait:.3f} s"
+    assert torch.all(seen == 2.0), "a reader saw the bucket before the fill and all-reduce"
+    transport.close(10.0)
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10)).cuda().to(dtype)
+
+
+def test_backward_returns_before_the_gpu_drains(nccl_world_of_one):
+    """No host stall at the end of backward: with the GPU kept busy ~200 ms, backward()
+    returns long before, and the gradients are right once the stream is read."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl")
+    ref = _model()
+    x = torch.randn(32, 64, device="cuda")
+    ours(x).sum().backward()  # first step (rebuild next)
+    ours.zero_grad()
+    loss = ours(x).sum()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    started = time.monotonic()
+    loss.backward()
+    host = time.monotonic() - started
+    ref(x).sum().backward()
+    for a, b in zip(ours.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert host < 0.1, f"backward() held the host {host:.3f} s while the GPU was busy"
+
+
+def test_close_is_bounded_and_final(nccl_world_of_one):
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl")
+    ours(torch.randn(8, 64, device="cuda")).sum().backward()
+    started = time.monotonic()
+    ours.close()
+    assert time.monotonic() - started < 15
+    with pytest.raises(RuntimeError, match="closed"):
+        ours(torch.randn(8, 64, device="cuda"))
+
+
+def test_a_peer_that_never_joins_times_out_and_exit_after_the_abort_is_bounded():
+    code = textwrap.dedent("""
+        import time, fused_reducer
+        from fused_reducer import _C
+        started = time.monotonic()
+        try:
+            _C.NcclTransport(_C.nccl_unique_id(), 0, 2, 0, 3.0)  # rank 1 never comes
+        except RuntimeError as e:
+            assert "timed out" in str(e), e
+            print("timed out after", round(time.monotonic() - started, 1), "s")
+        else:
+            raise SystemExit("no timeout")
+    """)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.monotonic() - started < 60
+
+
+def test_syncbatchnorm_and_cuda_amp_train_as_under_ddp(nccl_world_of_one):
+    def net():
+        torch.manual_seed(0)
+        return nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+            nn.Linear(8 * 6 * 6, 10))).cuda()
+    ours = fused_reducer.FusedReducer(net(), backend="nccl")
+    ddp = DDP(net(), device_ids=[0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
+    scalers = [torch.amp.GradScaler("cuda") for _ in range(2)]
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for model, opt, scaler in zip((ours, ddp), opts, scalers):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    for a, b in zip(ours.module.state_dict().values(), ddp.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# -- two ranks on the one GPU, gloo with CUDA tensors ------------------------------------------
+
+def _train_both(rank, steps=4, dtype=torch.float32, side_stream=False, mid_rebuild=False,
+                **options):
+    torch.cuda.set_device(0)
+    ours = fused_reducer.FusedReducer(_model(dtype), backend="process_group", first_bucket_mb=0.01,
+                                      bucket_cap_mb=0.02, **options)
+    ddp_options = {k: v for k, v in options.items() if k != "autotune"}
+    ddp = DDP(_model(dtype), bucket_cap_mb=0.02, **ddp_options)
+    stream = torch.cuda.Stream() if side_stream else None
+    for step in range(steps):
+        if mid_rebuild and step == 2:
+            ours.first_bucket_bytes = 4096
+        x = torch.randn(16, 64, device="cuda", dtype=dtype,
+                        generator=torch.Generator("cuda").manual_seed(10 * rank + step))
+        for model in (ours, ddp):
+            model.zero_grad()
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    model(x).float().square().mean().backward()
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return max((a.grad.float() - b.grad.float()).abs().max().item()
+               for a, b in zip(ours.module.parameters(), ddp.module.parameters()))
+
+
+def check_plain(rank, world):
+    return _train_both(rank)
+
+
+def check_bucket_view(rank, world):
+    return _train_both(rank, gradient_as_bucket_view=True)
+
+
+def check_find_unused(rank, world):
+    return _train_both(rank, find_unused_parameters=True)
+
+
+def check_fp16(rank, world):
+    return _train_both(rank, dtype=torch.float16)
+
+
+def check_bf16(rank, world):
+    return _train_both(rank, dtype=torch.bfloat16)
+
+
+def check_side_stream(rank, world):
+    return _train_both(rank, side_stream=True)
+
+
+def check_rebuild_mid_training(rank, world):
+    return _train_both(rank, steps=5, mid_rebuild=True)
+
+
+def check_autotune(rank, world):
+    return _train_both(rank, steps=6, autotune=True)
+
+
+def check_no_sync(rank, world):
+    torch.cuda.set_device(0)
+    ours = fused_reducer.FusedReducer(_model(), backend="process_group")
+    ddp = DDP(_model())
+    xs = [torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * rank + i))
+          for i in range(3)]
+    for model in (ours, ddp):
+        with model.no_sync():
+            for x in xs[:2]:
+                model(x).sum().backward()
+        model(xs[2]).sum().backward()
+    return max((a.grad - b.grad).abs().max().item()
+               for a, b in zip(ours.module.parameters(), ddp.module.parameters()))
+
+
+TWO_RANK_CHECKS = [check_plain, check_bucket_view, check_find_unused, check_fp16, check_bf16,
+                   check_side_stream, check_rebuild_mid_training, check_autotune, check_no_sync]
+TOLERANCE = {"check_fp16": 1e-2, "check_bf16": 5e-2}
+
+
+@pytest.fixture(scope="module")
+def two_ranks_one_gpu():
+    return run_checks(TWO_RANK_CHECKS, 2, timeout=280)
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in TWO_RANK_CHECKS])
+def test_two_ranks_on_one_gpu_over_gloo_match_ddp(two_ranks_one_gpu, check):
+    for worst in per_rank(two_ranks_one_gpu, check):
+        assert worst <= TOLERANCE.get(check, 1e-5), (check, worst)
