@@ -240,6 +240,15 @@ class FusedReducer(nn.Module, Joinable):
                 dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES,
                                           source)
 
+    def _checked_reducer(self):
+        """The C++ reducer, once a collective that failed in the background (NCCL watchdog) has
+        raised: setters report it like forward does."""
+        if self._reducer is None:
+            raise RuntimeError("FusedReducer: this model was closed or unpickled; run a forward "
+                               "(after unpickling) or wrap the module again (after close())")
+        self._transport.check()
+        return self._reducer
+
     def _reattach(self):
         """After unpickling: attach to the default process group again (collective)."""
         self.process_group = _resolve_group(None)
@@ -336,7 +345,7 @@ class FusedReducer(nn.Module, Joinable):
 
     @first_bucket_bytes.setter
     def first_bucket_bytes(self, nbytes):
-        self._reducer.first_bucket_bytes = check_bytes("first_bucket_bytes", nbytes)
+        self._checked_reducer().first_bucket_bytes = check_bytes("first_bucket_bytes", nbytes)
 
     @property
     def bucket_cap_bytes(self):
@@ -345,7 +354,7 @@ class FusedReducer(nn.Module, Joinable):
 
     @bucket_cap_bytes.setter
     def bucket_cap_bytes(self, nbytes):
-        self._reducer.bucket_cap_bytes = check_bytes("bucket_cap_bytes", nbytes)
+        self._checked_reducer().bucket_cap_bytes = check_bytes("bucket_cap_bytes", nbytes)
 
     @property
     def last_bucket_bytes(self):
@@ -361,7 +370,7 @@ class FusedReducer(nn.Module, Joinable):
             nbytes = 0
         else:
             nbytes = check_bytes("last_bucket_bytes", nbytes)
-        self._reducer.last_bucket_bytes = nbytes
+        self._checked_reducer().last_bucket_bytes = nbytes
 
     @property
     def reduce_dtype(self):
