@@ -63,8 +63,9 @@ def timed(ctx, model, x):
 
 
 def slowest(ctx, values):
-    """Per-step max over ranks."""
-    t = torch.tensor(values, dtype=torch.float64)
+    """Per-step max over ranks (on the rank's own GPU for an NCCL group)."""
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=ctx.device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -87,7 +88,7 @@ def sweep_candidates(model):
     info = ParamInfo([p for p in model.module.parameters() if p.requires_grad])
     incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
     box = [list(model._reducer.last_ready_order())]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=model._control_device)
     layouts = {}
     grid = candidate_grid(info.group_bytes, incumbent)
     for candidate in grid:

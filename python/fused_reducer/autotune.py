@@ -10,9 +10,11 @@ here runs per parameter. docs/TUNING.md describes it for users.
    reducer's own assignment (_C.assign_buckets on the observed order; candidates with identical
    layouts are one configuration) and simulated: a bucket launches, strictly in order, when its
    last gradient is ready; the transport runs one bucket at a time, each costing latency +
-   bytes / bandwidth. Overlap with backward is scored twice (CostModel: free, as with NCCL on a
-   GPU, and contended, as with gloo threads sharing the CPU cores); the starting configuration
-   (the incumbent) and the best predictions of both scores, alternately, make the shortlist of
+   bytes / bandwidth. Overlap with backward is scored twice (costmodel.CostModel, the model the
+   planner uses too: free, as with NCCL on a GPU, and contended, as with gloo threads sharing
+   the CPU cores); the starting configuration (the incumbent), the layouts of a planner hint
+   (`planner_hint`: the best layouts `python -m fused_reducer.plan` predicted for this world
+   size) and the best predictions of both scores, alternately, make the shortlist of
    `max_candidates`. Rank 0 broadcasts this plan.
 4. Measure with successive halving: each round sets a candidate's limits at a forward (a safe
    point: gradients stay exact), discards one warm-up step (it contains the rebuild), then times
@@ -29,98 +31,32 @@ import logging
 import math
 import statistics
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .costmodel import KiB, MiB, CostModel, Gradients, candidate_grid
 
 log = logging.getLogger("fused_reducer")
 
-KiB = 1024
-MiB = 1024 * 1024
-# Sizes tried for the first bucket and the cap (values beyond the gradient bytes are all "one
-# bucket" and collapse into one layout), and for the last bucket (0 = none).
-SIZE_LADDER = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
-LAST_LADDER = (0, 256 * KiB, 1 * MiB, 4 * MiB)
 _INVALID = 1e30  # a step that cannot be timed (no backward between two forwards) on some rank
 
 
-def candidate_grid(group_bytes, incumbent):
-    """Every (first, cap, last) considered: ladder values up to the first one that holds the
-    largest group whole, the incumbent's values, and no last bucket at least half the group."""
-    total = max(group_bytes)
-    ladder = []
-    for size in SIZE_LADDER:
-        ladder.append(size)
-        if size >= total:
-            break
-    firsts = sorted(set(ladder) | {incumbent[0]})
-    caps = sorted(set(ladder) | {incumbent[1]})
-    lasts = sorted({v for v in LAST_LADDER if v == 0 or 2 * v <= total} | {incumbent[2]})
-    return [(f, c, l) for f in firsts for c in caps for l in lasts]
-
-
-class ParamInfo:
+class ParamInfo(Gradients):
     """What bucketing needs about the reducer's parameters (same on every rank)."""
 
     def __init__(self, params):
-        self.sizes = [p.numel() * p.element_size() for p in params]
         keys = {}
-        self.groups = [keys.setdefault((p.dtype, str(p.device)), len(keys)) for p in params]
-        totals = {}
-        for size, group in zip(self.sizes, self.groups):
-            totals[group] = totals.get(group, 0) + size
-        self.group_bytes = list(totals.values())
-
-    def layout(self, order, candidate):
-        first, cap, last = candidate
-        return tuple(tuple(b) for b in _C.assign_buckets(self.sizes, self.groups, order, first,
-                                                         cap, last))
+        groups = [keys.setdefault((p.dtype, str(p.device)), len(keys)) for p in params]
+        super().__init__([p.numel() * p.element_size() for p in params], groups)
 
 
-class CostModel:
-    """Step time of a layout from the transport's latency and bandwidth and the observed
-    gradient-ready times. See the module docstring, step 3.
-
-    Two readings of the same simulation bound what overlap is worth:
-      free       communication running while backward computes costs backward nothing (a GPU
-                 with NCCL on its own stream): step = max(end of backward, last bucket done);
-      contended  it costs backward its full duration (CPU ranks whose transport threads share
-                 the cores with backward): step = end of backward + communication overlapped
-                 with it + what is left after it.
-    The tuner measures the best layouts of both readings, so it need not know the machine.
-    """
-
-    def __init__(self, latency_us, bytes_per_us, copy_bytes_per_us):
-        self.latency_us = latency_us
-        self.bytes_per_us = bytes_per_us
-        self.copy_bytes_per_us = copy_bytes_per_us
-
-    def bucket_us(self, nbytes):
-        return self.latency_us + nbytes / self.bytes_per_us
-
-    def predict_us(self, layout, sizes, ready_us, backward_end_us):
-        """(free, contended): microseconds from the first gradient until the step's gradients
-        are reduced, for both readings above."""
-        launch = 0.0
-        transport_free = 0.0
-        overlapped = 0.0
-        for bucket in layout:
-            times = [ready_us[i] for i in bucket if not math.isnan(ready_us[i])]
-            ready = max(times) if times else backward_end_us
-            nbytes = sum(sizes[i] for i in bucket)
-            launch = max(launch, ready) + nbytes / self.copy_bytes_per_us
-            start = max(transport_free, launch)
-            transport_free = start + self.bucket_us(nbytes)
-            overlapped += max(0.0, min(transport_free, backward_end_us) - start)
-        exposed = max(0.0, transport_free - backward_end_us)
-        return backward_end_us + exposed, backward_end_us + overlapped + exposed
-
-
-def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3):
+def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3,
+                    control_device="cpu"):
     """(latency_us, bytes_per_us) of `transport` from timed all-reduces of a small and a large
-    float32 buffer: the fastest of `repeats` each (after one warm-up), slowest rank."""
+    float32 buffer: the fastest of `repeats` each (after one warm-up), slowest rank (agreed with
+    a tensor on `control_device`: the rank's GPU for an NCCL group)."""
     timings = []
     for nbytes in (small, large):
         flat = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -135,7 +71,7 @@ def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repe
                 torch.cuda.synchronize(device)
             best = min(best, (time.perf_counter() - start) * 1e6)
         timings.append(best)
-    agreed = torch.tensor(timings, dtype=torch.float64)
+    agreed = torch.tensor(timings, dtype=torch.float64, device=control_device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     t_small, t_large = agreed.tolist()
     bytes_per_us = (large - small) / max(t_large - t_small, 1e-3)
@@ -160,15 +96,24 @@ class Autotuner:
     configuration.
     candidates: an explicit list of (first, cap, last) to choose from instead of the grid.
     min_steps: completed steps before tuning starts (ready order and times must be known).
+    planner_hint: a plan (the dict of `python -m fused_reducer.plan --json`, or its file path)
+    or a list of (first, cap, last): these layouts are measured first, right after the
+    incumbent, and the shortlist defaults to them and the incumbent (at least 2, at most 6), so
+    a plan made before scaling out saves trial steps on the large cluster. From a plan, the
+    entry for this world size (else the nearest) is used.
     """
 
+    @property
+    def model(self):
+        return self._model()
+
     def __init__(self, model, max_candidates=None, round_steps=(2, 4), warmup_steps=1,
-                 margin=0.02, z=2.0, candidates=None, min_steps=2):
+                 margin=0.02, z=2.0, candidates=None, min_steps=2, planner_hint=None):
         if max_candidates is not None and max_candidates < 2:
             raise ValueError(f"max_candidates must be >= 2, got {max_candidates}")
         if not round_steps or any(int(s) < 1 for s in round_steps):
             raise ValueError(f"round_steps must be a non-empty list of ints >= 1, got {round_steps}")
-        self.model = model
+        self._model = weakref.ref(model)  # the model owns its tuner: no reference cycle
         self.max_candidates = None if max_candidates is None else int(max_candidates)
         self.round_steps = [int(s) for s in round_steps]
         self.warmup_steps = int(warmup_steps)
@@ -179,6 +124,10 @@ class Autotuner:
         self.min_steps = int(min_steps)
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
+        self.hint = []
+        if planner_hint is not None:
+            from .plan import hinted_layouts
+            self.hint = hinted_layouts(planner_hint, dist.get_world_size(self.group))
         self.state = "waiting"
         self.steps_used = 0          # synchronised steps since the plan was made
         self.plan = []               # [{candidate, predicted_ms, buckets}] measured, in order
@@ -230,12 +179,14 @@ class Autotuner:
         self.incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
         params = [p for p in model.module.parameters() if p.requires_grad]
         info = ParamInfo(params)
-        latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group)
+        latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group,
+                                                   control_device=model._control_device)
         plan = None
         if self.rank == 0:
             plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us)
         box = [plan]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
+                                   device=self.model._control_device)
         plan = box[0]
         self.plan = plan["trials"]
         self.model_info = plan["model"]
@@ -262,15 +213,14 @@ class Autotuner:
                       if b["pack_us"] is not None and b["pack_us"] > 0]
             if packed and sum(t for _, t in packed) > 0:
                 copy_rate = sum(n for n, _ in packed) / sum(t for _, t in packed)
-        cost = CostModel(latency_us, bytes_per_us, copy_rate)
-        grid = self.explicit or candidate_grid(info.group_bytes, self.incumbent)
-        if self.incumbent not in grid:
-            grid = [self.incumbent] + list(grid)
+        cost = CostModel.from_probe(latency_us, bytes_per_us, copy_rate)
+        grid = self.explicit or candidate_grid(info.group_bytes, self.incumbent, self.hint)
+        grid = [self.incumbent] + self.hint + [c for c in grid
+                                               if c != self.incumbent and c not in self.hint]
         layouts = {}
-        for candidate in grid:  # one representative per distinct layout; the incumbent's wins
-            key = info.layout(order, candidate)
-            if key not in layouts or candidate == self.incumbent:
-                layouts[key] = candidate
+        for candidate in grid:  # one representative per distinct layout; the incumbent's wins,
+            key = info.layout(order, candidate)  # then the hint's
+            layouts.setdefault(key, candidate)
         # Predictions are offsets from the step observed with the layout in force (forward start
         # to gradients written back), so that they read like measured step times.
         current = tuple(tuple(b) for b in reducer.bucket_params())
@@ -286,9 +236,20 @@ class Autotuner:
         # The shortlist: the incumbent, then the best of each reading in turn.
         rankings = [sorted(rows, key=lambda c: (rows[c][field], rows[c]["buckets"], c))
                     for field in ("predicted_ms", "predicted_contended_ms")]
-        size = self.max_candidates or (len(layouts) if self.explicit else
-                                       min(6, max(3, len(layouts) // 5)))
-        chosen = [self.incumbent]
+        hinted = []
+        for candidate in self.hint:
+            representative = layouts[info.layout(order, candidate)]
+            if representative not in hinted and representative != self.incumbent:
+                hinted.append(representative)
+        if self.max_candidates:
+            size = self.max_candidates
+        elif self.explicit:
+            size = len(layouts)
+        elif self.hint:
+            size = min(6, max(2, 1 + len(hinted)))
+        else:
+            size = min(6, max(3, len(layouts) // 5))
+        chosen = ([self.incumbent] + hinted)[:max(size, 1)]
         for i in range(len(rows)):
             for ranking in rankings:
                 if len(chosen) < size and ranking[i] not in chosen:
@@ -319,7 +280,7 @@ class Autotuner:
         self.pending = []
 
     def _finish_trial(self):
-        agreed = torch.tensor(self.pending, dtype=torch.float64)
+        agreed = torch.tensor(self.pending, dtype=torch.float64, device=self.model._control_device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         valid = [t for t in agreed.tolist() if t < _INVALID / 2]
         self.samples[self.current].extend(valid)
@@ -366,7 +327,8 @@ class Autotuner:
         if best != self.incumbent and not gain > needed:
             best = self.incumbent
         box = [best]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
+                                   device=self.model._control_device)
         best = tuple(box[0])
         self._set(best)
         self.choice = best

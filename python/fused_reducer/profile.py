@@ -1,0 +1,251 @@
+"""Profile of a real training run, for the planner (python -m fused_reducer.plan).
+
+`export_profile(model, path)` (FusedReducer.export_profile) writes, as versioned JSON, what the
+performance model (costmodel.py) needs: per parameter its bytes, (dtype, device) group and
+median gradient-ready time, the ready order, the layout and limits in force, the step's phases
+(forward, backward end, copy back, the rest), the transport's probed latency and bandwidth, and
+the machine. Everything comes from the C++ step telemetry (Note [Step telemetry]), which costs
+one clock read per gradient hook; this module runs once, when called, never per step.
+docs/PLANNING.md documents the fields.
+"""
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT = "fused_reducer.profile"
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: missing, malformed, or of another version."""
+
+
+def export_profile(model, path):
+    """Write the profile of `model` (a FusedReducer) to `path`. Collective: call it on every rank
+    (the transport probe and the slowest-rank step phases need all ranks). Rank 0 writes `path`;
+    with "{rank}" in it, every rank writes its own. Returns the path written, or None on ranks
+    that write nothing. Needs at least two completed synchronised steps."""
+    from .autotune import ParamInfo, probe_transport
+    from . import build_info
+
+    reducer = model._reducer
+    group = model.process_group
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    history = reducer.history()
+    # Checked together, so that no rank is left waiting in the probe when another one raises.
+    enough = torch.tensor([len(history)], dtype=torch.float64)
+    dist.all_reduce(enough, op=dist.ReduceOp.MIN, group=group)
+    if enough.item() < 2:
+        raise RuntimeError(
+            f"export_profile needs at least 2 completed synchronised steps of telemetry, a rank "
+            f"has {int(enough.item())}: train a few steps first")
+
+    latency_us, bytes_per_us = probe_transport(model._transport, model.device, group,
+                                               control_device=model._control_device)
+    phases = _step_phases(history)
+    local_backward_us = phases["backward_end_us"]
+    # Slowest rank per phase: the step time of data parallelism is the slowest rank's.
+    slowest = torch.tensor([phases[k] for k in _PHASES], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    phases.update(zip(_PHASES, slowest.tolist()))
+    stretch = phases["backward_end_us"] / local_backward_us if local_backward_us > 0 else 1.0
+
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    info = ParamInfo(params)
+    group_names = {}
+    for p in params:
+        group_names.setdefault(f"{p.dtype} {p.device}", len(group_names))
+    ready = _median_ready_times(reducer.last_ready_times(), history, stretch)
+    last = history[-1]
+    profile = {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": world,
+        "ranks_per_node": _ranks_per_node(),
+        "device": model.device.type,
+        "transport": reducer.stats()["transport"],
+        "machine": _machine(model.device),
+        "software": {"torch": torch.__version__, "nccl": build_info()["nccl_version"],
+                     "fused_reducer_cuda_build": build_info()["cuda"]},
+        "limits": {"first_bucket_bytes": last["first_bucket_bytes"],
+                   "bucket_cap_bytes": last["bucket_cap_bytes"],
+                   "last_bucket_bytes": last["last_bucket_bytes"]},
+        "groups": list(group_names),
+        "params": [{"name": name, "bytes": size, "group": g,
+                    "ready_us": None if math.isnan(t) else t}
+                   for name, size, g, t in zip(model._param_names, info.sizes, info.groups, ready)],
+        "ready_order": [int(i) for i in reducer.last_ready_order()],
+        "buckets": [[int(i) for i in b] for b in reducer.bucket_params()],
+        "steps_recorded": len(history),
+        "timing": phases,
+        "probe": {"latency_us": latency_us, "bandwidth_GBps": bytes_per_us / 1e3},
+    }
+    path = str(path)
+    if "{rank}" in path:
+        path = path.format(rank=rank)
+    elif rank != 0:
+        return None
+    _write_json(path, profile)
+    return path
+
+
+_PHASES = ("forward_us", "backward_end_us", "finalize_us", "other_us", "step_us",
+           "exposed_wait_us")
+
+
+def _step_phases(history):
+    """Median phases of the recorded steps (us): forward start -> first gradient, first gradient
+    -> end of backward, copying results back after backward (waits excluded), gradients written
+    back -> next forward (optimizer, zero_grad, data), forward to forward, exposed waits; and
+    the copy rate into buckets."""
+    forward = [-s["forward_us"] for s in history]
+    backward = [s["backward_end_us"] for s in history]
+    finalize = [max(0.0, s["finalize_end_us"] - s["backward_end_us"] - s["exposed_wait_us"])
+                for s in history]
+    # The rest of the step lies between one step's end and the next forward; consecutive
+    # records only (a no_sync step in between would count as "rest").
+    other, period = [], []
+    for a, b in zip(history, history[1:]):
+        if b["step"] == a["step"] + 1:
+            start_a = a["origin_us"] + a["forward_us"]
+            start_b = b["origin_us"] + b["forward_us"]
+            period.append(start_b - start_a)
+            other.append(max(0.0, period[-1] - (a["finalize_end_us"] - a["forward_us"])))
+    packed = [(b["bytes"], b["pack_us"]) for s in history for b in s["buckets"]
+              if b["pack_us"] is not None and b["pack_us"] > 0]
+    copy_GBps = (sum(n for n, _ in packed) / sum(t for _, t in packed) / 1e3) if packed else 10.0
+    steps = [s["finalize_end_us"] - s["forward_us"] for s in history]
+    return {"forward_us": statistics.median(forward),
+            "backward_end_us": statistics.median(backward),
+            "finalize_us": statistics.median(finalize),
+            "other_us": statistics.median(other) if other else 0.0,
+            "step_us": statistics.median(period) if period else statistics.median(steps),
+            "exposed_wait_us": statistics.median(s["exposed_wait_us"] for s in history),
+            "copy_GBps": copy_GBps}
+
+
+def _median_ready_times(last_ready, history, stretch):
+    """Per-parameter ready times, from the last step (the C++ telemetry keeps only that one per
+    parameter), moved onto the median over the recorded steps: a piecewise-linear map through
+    the buckets' last-ready times and the end of backward (last step -> median over the steps
+    with the same layout), times `stretch` (slowest rank's backward / this rank's), so that the
+    times follow the slowest rank, which every collective waits for."""
+    last = history[-1]
+    same = [s for s in history if [b["bytes"] for b in s["buckets"]]
+            == [b["bytes"] for b in last["buckets"]]]
+    anchors = [(0.0, 0.0)]
+    for i, bucket in enumerate(last["buckets"]):
+        times = [s["buckets"][i]["ready_last_us"] for s in same
+                 if s["buckets"][i]["ready_last_us"] is not None]
+        if bucket["ready_last_us"] is not None and times:
+            anchors.append((bucket["ready_last_us"], stretch * statistics.median(times)))
+    anchors.append((last["backward_end_us"],
+                    stretch * statistics.median(s["backward_end_us"] for s in same)))
+    anchors.sort()
+    xs, ys = [], []
+    for x, y in anchors:  # strictly increasing x, non-decreasing y, as np.interp needs
+        if xs and x <= xs[-1]:
+            continue
+        xs.append(x)
+        ys.append(max(y, ys[-1]) if ys else y)
+    times = np.asarray(list(last_ready), dtype=np.float64)
+    return [float(v) for v in np.interp(times, xs, ys)]  # NaN (never ready) stays NaN
+
+
+def _ranks_per_node():
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and local.isdigit() else None
+
+
+def _machine(device):
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count()
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "usable_cpus": cpus,
+            "torch_threads": torch.get_num_threads(), "gpu": gpu}
+
+
+def _write_json(path, data):
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)  # a reader never sees half a profile
+
+
+# -- reading --------------------------------------------------------------------------------------
+_REQUIRED = {"world_size": int, "device": str, "limits": dict, "params": list,
+             "ready_order": list, "timing": dict, "probe": dict}
+
+
+def load_profile(path):
+    """The profile at `path`, checked; ProfileError naming the file and what is wrong."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ProfileError(f"profile {path!r} does not exist: record one with "
+                           f"model.export_profile(path) after a few training steps") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProfileError(f"profile {path!r} is not readable JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{path!r} is not a FusedReducer profile (its 'format' is "
+                           f"{data.get('format') if isinstance(data, dict) else None!r}, expected "
+                           f"{FORMAT!r}): record one with model.export_profile(path)")
+    if data.get("version") != VERSION:
+        raise ProfileError(f"profile {path!r} has version {data.get('version')!r}; this "
+                           f"fused_reducer reads version {VERSION}: record it again with "
+                           f"model.export_profile(path)")
+    for key, kind in _REQUIRED.items():
+        if not isinstance(data.get(key), kind):
+            raise ProfileError(f"profile {path!r} is malformed: {key!r} is missing or not a "
+                               f"{kind.__name__}")
+    params = data["params"]
+    n = len(params)
+    try:
+        for p in params:
+            if int(p["bytes"]) <= 0 or int(p["group"]) < 0:
+                raise ValueError(f"parameter {p.get('name')!r} has bytes {p['bytes']!r}, "
+                                 f"group {p['group']!r}")
+        if sorted(int(i) for i in data["ready_order"]) != list(range(n)):
+            raise ValueError(f"ready_order is not a permutation of the {n} parameters")
+        for key in ("forward_us", "backward_end_us", "finalize_us", "other_us", "copy_GBps"):
+            if not float(data["timing"][key]) >= 0:
+                raise ValueError(f"timing {key} is {data['timing'][key]!r}")
+        for key in ("latency_us", "bandwidth_GBps"):
+            if not float(data["probe"][key]) > 0:
+                raise ValueError(f"probe {key} is {data['probe'][key]!r}")
+        for key in ("first_bucket_bytes", "bucket_cap_bytes", "last_bucket_bytes"):
+            int(data["limits"][key])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"profile {path!r} is malformed: {e}") from None
+    if n == 0 or data["world_size"] < 1:
+        raise ProfileError(f"profile {path!r} is malformed: {n} parameters, world size "
+                           f"{data['world_size']!r}")
+    return data
+
+
+def step_compute(profile):
+    """costmodel.StepCompute of a loaded profile."""
+    from .costmodel import StepCompute
+    t = profile["timing"]
+    ready = [math.nan if p["ready_us"] is None else float(p["ready_us"])
+             for p in profile["params"]]
+    return StepCompute(float(t["forward_us"]), ready, float(t["backward_end_us"]),
+                       float(t["finalize_us"]), float(t["other_us"]),
+                       float(t["copy_GBps"]) * 1e3)

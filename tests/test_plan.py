@@ -1,0 +1,399 @@
+"""The what-if planner (python -m fused_reducer.plan), its cost model and the profile it reads.
+
+* Cost model: ring and tree all-reduce costs against hand-computed figures (one node, several
+  nodes, the inter-node bottleneck, the algorithm NCCL would pick), the backward timeline, a
+  calibration that reproduces its own measurements and recovers a known launch/hop split.
+* One model: the autotuner's CostModel is costmodel.CostModel, neither autotune.py nor plan.py
+  holds cost logic of its own, and a plan runs through CostModel.simulate.
+* Profile round trip (2 gloo ranks): export_profile writes a versioned profile that
+  load_profile accepts and the planner plans from; autotune(planner_hint=...) measures the
+  hinted layout right after the incumbent, and only those.
+* CLI: text, --json schema, --plot PNG, --compute-scale; bad inputs exit 2, name the value and
+  write nothing.
+"""
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from dist_utils import per_rank, run_checks
+
+MiB = 1 << 20
+
+
+# -- cost model: hand-computed figures -----------------------------------------------------------
+
+def network(intra_hop=2.0, intra_bw=1e5, inter_hop=10.0, inter_bw=5e4, per_node=8, launch=5.0):
+    from fused_reducer.costmodel import Link, Network
+    return Network(Link("intra", intra_hop, bytes_per_us=intra_bw),
+                   Link("inter", inter_hop, bytes_per_us=inter_bw, per_node=per_node), launch)
+
+
+def test_ring_on_one_node_is_2n_minus_2_hops_and_2n_minus_2_over_n_of_the_bytes():
+    net = network()
+    # 8 ranks, 1 node, 1 MB: 5 + 14 hops * 2 us + 2*7/8 * 1e6 B / 1e5 B/us = 50.5 us
+    assert net.ring_us(1e6, 8, 8) == pytest.approx(50.5)
+    # tree on one node: 5 + 2 * (7 * 2) + 2 * 1e6 / 1e5 = 53 us: the ring is taken
+    assert net.tree_us(1e6, 8, 8) == pytest.approx(53.0)
+    assert net.allreduce(1e6, 8, 8) == (pytest.approx(50.5), "ring")
+
+
+def test_across_nodes_ring_pays_inter_hops_and_tree_log2_nodes_latency_terms():
+    net = network()
+    # 16 ranks on 2 nodes: 30 steps, 2 of them between nodes; bus = min(1e5, 8 * 5e4) = 1e5
+    ring = 5 + 28 * 2 + 2 * 10 + 2 * 15 / 16 * 1e6 / 1e5
+    tree = 5 + 2 * (7 * 2 + 1 * 10) + 2 * 1e6 / 1e5
+    assert net.ring_us(1e6, 16, 8) == pytest.approx(ring)  # 99.75
+    assert net.tree_us(1e6, 16, 8) == pytest.approx(tree)  # 73
+    assert net.allreduce(1e6, 16, 8) == (pytest.approx(73.0), "tree")
+    # 512 ranks on 64 nodes, 4 KiB: ring 1022 steps (126 between nodes), tree 2*(7 + 6) terms
+    assert net.ring_us(4096, 512, 8) == pytest.approx(
+        5 + 896 * 2 + 126 * 10 + 2 * 511 / 512 * 4096 / 1e5)
+    assert net.tree_us(4096, 512, 8) == pytest.approx(5 + 2 * (7 * 2 + 6 * 10) + 2 * 4096 / 1e5)
+
+
+def test_the_slower_of_intra_link_and_node_network_limits_the_bus_bandwidth():
+    net = network(inter_bw=1e4, per_node=2)  # 2 NICs of 1e4 B/us: 2e4 < 1e5
+    assert net.bus_bytes_per_us(1e6, 16, 8) == pytest.approx(2e4)
+    assert net.bus_bytes_per_us(1e6, 8, 8) == pytest.approx(1e5)  # one node: no network
+    one_gpu_per_node = network(per_node=1)
+    assert one_gpu_per_node.tree_us(0, 64, 1) == pytest.approx(5 + 2 * 6 * 10)
+
+
+def test_topology_is_checked():
+    from fused_reducer.costmodel import check_topology
+    with pytest.raises(ValueError, match="got 1"):
+        check_topology(1, 1)
+    with pytest.raises(ValueError, match="3 GPUs per node do not divide world size 8"):
+        check_topology(8, 3)
+
+
+def test_timeline_launches_in_order_one_collective_at_a_time():
+    from fused_reducer.costmodel import CostModel
+    cost = CostModel(lambda n: 10 + n / 100, copy_bytes_per_us=1e9)  # copies ~free
+    sizes = [1000, 1000, 2000]
+    ready = [5.0, 50.0, 20.0]
+    # bucket (0, 2) ready at 20, takes 10 + 30 = 40 -> [20, 60]; bucket (1,) ready at 50, starts
+    # when the transport is free at 60, takes 20 -> 80; backward ends at 70.
+    t = cost.simulate(((0, 2), (1,)), sizes, ready, 70.0)
+    assert t.free_us == pytest.approx(80.0, abs=1e-3)
+    assert t.exposed_us == pytest.approx(10.0, abs=1e-3)
+    assert t.overlapped_us == pytest.approx(40 + 10, abs=1e-3)
+    assert t.contended_us == pytest.approx(70 + 50 + 10, abs=1e-3)
+    assert t.comm_us == pytest.approx(60.0)
+    assert cost.predict_us(((0, 2), (1,)), sizes, ready, 70.0) == (t.free_us, t.contended_us)
+
+
+def test_step_adds_forward_copy_back_and_rest():
+    from fused_reducer.costmodel import StepCompute, predict_step
+    compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9)
+    free = predict_step(compute, ((0, 2), (1,)), [1000, 1000, 2000], lambda n: 10 + n / 100)
+    assert free.step_us == pytest.approx(100 + 80 + 7 + 3, abs=1e-3)
+    assert free.buckets == 2
+    half = predict_step(compute.scaled(0.5), ((0, 2), (1,)), [1000, 1000, 2000],
+                        lambda n: 10 + n / 100)
+    assert half.step_us < free.step_us
+    with pytest.raises(ValueError, match="'sideways'"):
+        predict_step(compute, ((0,),), [1, 1, 1], lambda n: 1.0, overlap="sideways")
+
+
+def test_calibration_reproduces_its_measurements_and_fits_launch_and_hop_across_worlds():
+    from fused_reducer.costmodel import calibrated_network
+    launch, hop, bw = 20.0, 30.0, 1000.0
+
+    def measured(n, s):
+        return launch + 2 * (n - 1) * hop + 2 * (n - 1) / n * s / bw
+
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+    net, notes = calibrated_network({n: [(s, measured(n, s)) for s in sizes] for n in (2, 3)})
+    assert net.launch_us == pytest.approx(launch, rel=1e-6)
+    assert net.intra.hop_us == pytest.approx(hop, rel=1e-6)
+    assert "fitted" in notes[0]
+    for s in sizes + [300000]:
+        for n in (2, 3, 4):  # 4 was not measured: launch + hops + bandwidth extrapolate
+            assert net.allreduce(s, n, n)[0] == pytest.approx(measured(n, s), rel=1e-6)
+    # One world size, noisy bandwidth: still exact at the measured points.
+    points = [(4096, 300.0), (1 << 20, 2500.0), (8 << 20, 17000.0)]
+    one, notes = calibrated_network({2: points})
+    assert "assumed" in notes[0]
+    for s, t in points:
+        assert one.allreduce(s, 2, 2)[0] == pytest.approx(t, rel=1e-9)
+    between = [one.allreduce(s, 2, 2)[0] for s in (1 << 21, 1 << 22, 1 << 23)]
+    assert 2500 < between[0] < between[1] < between[2] == pytest.approx(17000)
+
+
+# -- one model ------------------------------------------------------------------------------------
+
+def test_planner_and_autotuner_share_one_cost_model(monkeypatch, tmp_path):
+    from fused_reducer import autotune, costmodel, plan
+    assert autotune.CostModel is costmodel.CostModel
+    assert autotune.candidate_grid is costmodel.candidate_grid
+    for module in (autotune, plan):
+        source = inspect.getsource(module)
+        assert "class CostModel" not in source and "def simulate" not in source
+        assert "def predict_us" not in source and "def ring_us" not in source
+    calls = []
+    original = costmodel.CostModel.simulate
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(costmodel.CostModel, "simulate", counting)
+    path = write_profile(tmp_path / "p.json")
+    assert plan.main([str(path), "--world", "8", "--network", "ib400"]) == 0
+    assert calls
+
+
+# -- a synthetic profile --------------------------------------------------------------------------
+
+def synthetic_profile(n=24, device="cuda", world=8):
+    """24 parameters of 4 MiB (a 96 MiB model), ready every 400 us in reverse order."""
+    params = [{"name": f"p{i}", "bytes": 4 * MiB, "group": 0, "ready_us": 400.0 * (n - 1 - i)}
+              for i in range(n)]
+    return {
+        "format": "fused_reducer.profile", "version": 1, "created": "2026-12-02T00:00:00+00:00",
+        "world_size": world, "ranks_per_node": 8, "device": device, "transport": "nccl",
+        "machine": {"hostname": "test"}, "software": {"torch": "x", "nccl": "y"},
+        "limits": {"first_bucket_bytes": MiB, "bucket_cap_bytes": 25 * MiB,
+                   "last_bucket_bytes": 0},
+        "groups": ["torch.float32 cuda:0"], "params": params,
+        "ready_order": list(range(n - 1, -1, -1)), "buckets": None, "steps_recorded": 10,
+        "timing": {"forward_us": 3000.0, "backward_end_us": 400.0 * n, "finalize_us": 200.0,
+                   "other_us": 1000.0, "step_us": 14000.0, "exposed_wait_us": 500.0,
+                   "copy_GBps": 500.0},
+        "probe": {"latency_us": 30.0, "bandwidth_GBps": 100.0},
+    }
+
+
+def write_profile(path, **changes):
+    data = synthetic_profile()
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return path
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+ROW_KEYS = {"first_bucket_bytes", "bucket_cap_bytes", "last_bucket_bytes", "buckets", "step_ms",
+            "exposed_comm_ms", "comm_ms"}
+
+
+def test_cli_json_schema_plot_and_text(tmp_path, capsys):
+    from fused_reducer import plan
+    profile = write_profile(tmp_path / "p.json")
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = plan.main([str(profile), "--world", "8,64,512", "--gpus-per-node", "8", "--network",
+                      "ib400", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "PREDICTIONS" in text and "DDP default (1M, 25M, off)" in text
+    assert "measured:" in text and "ASSUMED" in text and "not measured here" in text
+    data = json.loads(out.read_text())
+    assert data["format"] == "fused_reducer.plan" and data["version"] == 1
+    assert {"profile", "network", "overlap", "compute_scale", "inputs", "worlds"} <= set(data)
+    assert data["overlap"] == "free"  # a GPU profile
+    assert {i["source"] for i in data["inputs"]} <= {"measured", "preset", "assumed"}
+    assert data["network"]["inter"]["name"] == "ib400"
+    assert data["network"]["inter"]["measured"] is False
+    assert [e["world_size"] for e in data["worlds"]] == [8, 64, 512]
+    for e in data["worlds"]:
+        assert e["nodes"] * e["gpus_per_node"] == e["world_size"]
+        for key in ("ddp_default", "profile_limits", "best"):
+            assert ROW_KEYS <= set(e[key])
+        assert e["ddp_default"]["first_bucket_bytes"] == MiB
+        assert e["ddp_default"]["bucket_cap_bytes"] == 25 * MiB
+        assert e["best"]["step_ms"] <= e["ddp_default"]["step_ms"]
+        assert e["best"] == e["best_layouts"][0]
+        assert e["gain_vs_ddp_ms"] == pytest.approx(
+            e["ddp_default"]["step_ms"] - e["best"]["step_ms"])
+        assert all(ROW_KEYS <= set(r) for r in e["grid"])
+    # more ranks: the same layout cannot get faster
+    steps = [e["ddp_default"]["step_ms"] for e in data["worlds"]]
+    assert steps == sorted(steps)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compute_scale_and_overlap_change_the_prediction(tmp_path):
+    from fused_reducer import plan
+    profile = write_profile(tmp_path / "p.json")
+
+    def run(*extra):
+        out = tmp_path / "o.json"
+        assert plan.main([str(profile), "--world", "64", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    def step(data):
+        return data["worlds"][0]["ddp_default"]["step_ms"]
+
+    base = run()
+    assert step(run("--compute-scale", "0.5")) < step(base)
+    contended = run("--overlap", "contended")
+    assert contended["overlap"] == "contended" and step(contended) != step(base)
+    # the recorded backward is taken to include its own overlapped communication
+    assert any(i["input"] == "backward without contention" for i in contended["inputs"])
+
+
+def test_hinted_layouts_from_a_plan_pick_the_nearest_world(tmp_path):
+    from fused_reducer import plan
+    profile = write_profile(tmp_path / "p.json")
+    out = tmp_path / "plan.json"
+    assert plan.main([str(profile), "--world", "8,512", "--json", str(out), "--top", "2"]) == 0
+    data = json.loads(out.read_text())
+    expected = [(r["first_bucket_bytes"], r["bucket_cap_bytes"], r["last_bucket_bytes"])
+                for r in data["worlds"][1]["best_layouts"]]
+    assert plan.hinted_layouts(str(out), 256) == expected
+    assert plan.hinted_layouts(data, 512) == expected
+    assert plan.hinted_layouts([[MiB, 4 * MiB, 0]], 2) == [(MiB, 4 * MiB, 0)]
+    with pytest.raises(ValueError, match="planner_hint layout"):
+        plan.hinted_layouts([(0, MiB, 0)], 2)
+
+
+def bad_profile_cases(tmp_path):
+    missing = tmp_path / "nope.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    other = write_profile(tmp_path / "v2.json", version=2)
+    alien = tmp_path / "alien.json"
+    alien.write_text(json.dumps({"format": "something else"}))
+    no_params = write_profile(tmp_path / "noparams.json", params="x")
+    good = write_profile(tmp_path / "good.json")
+    return [
+        ([str(missing)], "nope.json"),
+        ([str(broken)], "broken.json"),
+        ([str(other)], "version 2"),
+        ([str(alien)], "'something else'"),
+        ([str(no_params)], "'params'"),
+        ([str(good), "--network", "ib300"], "'ib300'"),
+        ([str(good), "--world", "1"], "--world 1"),
+        ([str(good), "--world", "8,x"], "'x'"),
+        ([str(good), "--world", "24", "--gpus-per-node", "16"], "do not divide world size 24"),
+        ([str(good), "--world", "8", "--gpus-per-node", "0"], "got 0"),
+        ([str(good), "--compute-scale", "-1"], "-1"),
+        ([str(good), "--calibrate", str(tmp_path / "bw.json")], "bw.json"),
+        ([str(good), "--network", "ib400,roce200"], "ib400, roce200"),
+    ]
+
+
+def test_bad_inputs_exit_2_naming_the_value_and_write_nothing(tmp_path, capsys):
+    from fused_reducer import plan
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    for argv, named in bad_profile_cases(tmp_path):
+        code = plan.main(argv + ["--json", str(out), "--plot", str(png)])
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert named in err, (argv, err)
+        assert not out.exists() and not png.exists(), argv
+        assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+def test_python_dash_m_runs_and_exits_2_on_bad_input(tmp_path):
+    profile = write_profile(tmp_path / "p.json")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fused_reducer.plan", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    bad = run(str(profile), "--network", "nope")
+    assert bad.returncode == 2 and "'nope'" in bad.stderr
+    good = run(str(profile), "--world", "8,64", "--network", "ib400")
+    assert good.returncode == 0, good.stderr
+    assert "best" in good.stdout
+
+
+# -- recorded profile, planner hint (2 gloo ranks) -------------------------------------------------
+
+def make_model():
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])
+
+
+def train(model, steps, rank):
+    import torch
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 128, generator=g)).pow(2).mean().backward()
+
+
+def check_profile_round_trip(rank, world_size):
+    import fused_reducer
+    model = fused_reducer.FusedReducer(make_model(), first_bucket_mb=0.0625, bucket_cap_mb=0.125)
+    early = None
+    try:
+        model.export_profile(os.path.join(tempfile.gettempdir(), "never_{rank}.json"))
+    except RuntimeError as e:
+        early = str(e)
+    train(model, 4, rank)
+    folder = tempfile.mkdtemp(prefix="fr_profile_")
+    path = model.export_profile(os.path.join(folder, "profile_{rank}.json"))
+    with open(path) as f:
+        data = json.load(f)
+    return {"early": early, "profile": data, "path": path,
+            "bytes": sum(p.numel() * p.element_size() for p in model.module.parameters()),
+            "buckets": len(model.bucket_sizes())}
+
+
+def check_planner_hint(rank, world_size):
+    import fused_reducer
+    model = fused_reducer.FusedReducer(make_model())
+    hint = (16 * 1024, 64 * 1024, 0)  # many small buckets: not the incumbent's layout
+    model.autotune(planner_hint=[hint], round_steps=(1,))
+    for _ in range(12):
+        train(model, 1, rank)
+        if model.autotune_report()["done"]:
+            break
+    report = model.autotune_report()
+    return {"trials": [(t["first_bucket_bytes"], t["bucket_cap_bytes"], t["last_bucket_bytes"])
+                       for t in report["trials"]], "done": report["done"], "hint": list(hint)}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_checks([check_profile_round_trip, check_planner_hint], world_size=2, timeout=240)
+
+
+def test_profile_round_trip(outcomes, tmp_path):
+    from fused_reducer import plan
+    from fused_reducer.profile import load_profile
+    results = per_rank(outcomes, "check_profile_round_trip")
+    for r in results:
+        assert "at least 2 completed" in r["early"]
+        p = r["profile"]
+        assert p["format"] == "fused_reducer.profile" and p["version"] == 1
+        assert p["world_size"] == 2 and p["device"] == "cpu"
+        assert sum(q["bytes"] for q in p["params"]) == r["bytes"]
+        assert p["limits"] == {"first_bucket_bytes": MiB // 16, "bucket_cap_bytes": MiB // 8,
+                               "last_bucket_bytes": 0}
+        assert len(p["buckets"]) == r["buckets"]
+        order = p["ready_order"]
+        assert sorted(order) == list(range(len(p["params"])))
+        ready = [p["params"][i]["ready_us"] for i in order]
+        assert ready == sorted(ready) and ready[0] == pytest.approx(0.0, abs=1e-6)
+        t = p["timing"]
+        assert t["forward_us"] > 0 and t["backward_end_us"] >= ready[-1]
+        assert p["probe"]["latency_us"] > 0 and p["probe"]["bandwidth_GBps"] > 0
+        assert p["software"]["torch"] and "hostname" in p["machine"]
+    # the slowest rank's phases are shared; the probe too
+    phases = [{k: v for k, v in r["profile"]["timing"].items() if k != "copy_GBps"}
+              for r in results]
+    assert phases[0] == phases[1]
+    assert results[0]["profile"]["probe"] == results[1]["profile"]["probe"]
+    loaded = load_profile(results[0]["path"])
+    assert loaded == results[0]["profile"]
+    out = tmp_path / "plan.json"
+    assert plan.main([results[0]["path"], "--world", "2,16", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["overlap"] == "contended"  # a CPU profile
+    assert all(math.isfinite(e["best"]["step_ms"]) for e in data["worlds"])
+
+
+def test_autotune_measures_the_planner_hint_first_and_fewer_candidates(outcomes):
+    for r in per_rank(outcomes, "check_planner_hint"):
+        assert r["done"]
+        incumbent = (MiB, 25 * MiB, 0)
+        assert r["trials"] == [incumbent, tuple(r["hint"])]
