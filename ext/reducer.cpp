@@ -1,7 +1,7 @@
 #include "reducer.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 #include <algorithm>
 #include <cmath>
@@ -54,6 +54,31 @@ std::string dtype_name(at::ScalarType type) {
 
 // The rank-0 layout message carries the reduce dtype as an int64: -1 for none.
 constexpr int64_t kNoReduceDtype = -1;
+
+// The post hook on a parameter's gradient accumulator. Compiled autograd
+// cannot trace it: say so at once, by name, instead of torch's generic
+// "compiled_args nyi".
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    on_ready_();
+    return outputs;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK(false,
+                "FusedReducer: compiled autograd (torch._dynamo.config.compiled_autograd or "
+                "torch._dynamo.compiled_autograd.enable) is not supported: FusedReducer reduces "
+                "gradients from C++ hooks on the parameters' gradient accumulators, which "
+                "compiled autograd cannot trace. Keep compiled autograd off; torch.compile of the "
+                "model or of FusedReducer itself is supported.");
+  }
+
+ private:
+  std::function<void()> on_ready_;
+};
 
 std::string megabytes(int64_t bytes) {
   std::ostringstream out;
@@ -157,12 +182,7 @@ void Reducer::install_hooks() {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     const auto index = static_cast<int64_t>(i);
     hook_keys_.push_back(accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, index](const torch::autograd::variable_list& outputs,
-                          const torch::autograd::variable_list& /*inputs*/) {
-              on_gradient_ready(index);
-              return outputs;
-            })));
+        std::make_unique<GradientReadyHook>([this, index] { on_gradient_ready(index); })));
     accumulators_.push_back(std::move(accumulator));
   }
 }
@@ -247,18 +267,19 @@ void Reducer::unpack_completed_buckets() {
     if (bucket.collective && !bucket.collective->completed()) {
       return;
     }
-    finish_bucket(next_to_unpack_++, nullptr);
+    finish_bucket(next_to_unpack_++, nullptr, /*exposed=*/false);
   }
 }
 
-// Waits for bucket `index` (telemetry: complete_us, exposed wait_us) and
-// unpacks it; `used` (find_unused_parameters): the globally used map.
-void Reducer::finish_bucket(size_t index, const int32_t* used) {
+// Waits for bucket `index` (telemetry: complete_us, and wait_us when the wait
+// is `exposed`, i.e. after backward ended) and unpacks it; `used`
+// (find_unused_parameters): the globally used map.
+void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
   const double start = now_us();
   wait_for_bucket(index);
   BucketTiming& timing = buckets_[index].timing;
   timing.complete_us = now_us();
-  timing.wait_us = timing.complete_us - start;
+  timing.wait_us = exposed ? timing.complete_us - start : 0.0;
   unpack_bucket(buckets_[index], [used](int64_t param) { return used == nullptr || used[param] != 0; });
 }
 
@@ -413,7 +434,7 @@ void Reducer::finalize_backward() {
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
   while (next_to_unpack_ < buckets_.size()) {
-    finish_bucket(next_to_unpack_++, used);
+    finish_bucket(next_to_unpack_++, used, /*exposed=*/true);
   }
 
   std::fill(locally_used_.begin(), locally_used_.end(), 0);

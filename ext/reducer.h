@@ -63,8 +63,9 @@ struct ReducerStats {
 // Note [Step telemetry]
 // Per synchronised step the reducer records, for each bucket, when its first
 // and last gradient became ready, when its collective was launched, when the
-// reducer saw it complete (its wait returned at the end of backward; an upper
-// bound of the real completion) and how long that wait blocked. Times are
+// reducer saw it complete (polled during backward and unpacked early, or its
+// wait returned at the end of backward; an upper bound of the real completion)
+// and how long that wait blocked (0 for a bucket unpacked during backward). Times are
 // microseconds of a steady clock relative to the step's first gradient hook
 // (origin_us holds that instant on the clock, for traces). Taking a time costs
 // one clock read per hook: no Python, no allocation per parameter.
@@ -197,7 +198,7 @@ class Reducer {
   void pack_bucket(Bucket& bucket);
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
-  void finish_bucket(size_t index, const int32_t* used);
+  void finish_bucket(size_t index, const int32_t* used, bool exposed);
   template <typename Keep>
   void unpack_bucket(Bucket& bucket, Keep keep);
   void finalize_backward();
