@@ -57,6 +57,8 @@ $PY -c "import fused_reducer; print(fused_reducer.build_info())" | tee "$OUT/bui
 stage gpu_tests 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ordering.py \
   tests/test_backend.py
 stage copy_bench 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --json "$OUT/copy.json"
+stage copy_bench_bf16 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --dtype bfloat16 \
+  --json "$OUT/copy_bf16.json"
 stage allreduce_bw 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
   bench/allreduce_bw.py -b 1M -e 256M -f 4 -n 20 -w 5 --impl fused,torch,cupy \
   --json "$OUT/allreduce_bw.json" --plot "$OUT/allreduce_bw.png"
@@ -68,14 +70,15 @@ $PY - "$OUT" "${failed[*]:-}" <<'PYEOF'
 import json, os, sys
 out, failed = sys.argv[1], sys.argv[2].split()
 print(f"{'check':<48} {'result':>20}")
-for name in ("build", "gpu_tests", "copy_bench", "allreduce_bw", "step_bench"):
+for name in ("build", "gpu_tests", "copy_bench", "copy_bench_bf16", "allreduce_bw", "step_bench"):
     print(f"{name:<48} {'FAILED' if name in failed else 'ok':>20}")
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-for row in (load("copy.json") or {}).get("rows", []):
-    label = f"copy fused/D2D {row.get('dtype', '')} at {row['bytes'] >> 20} MiB"
-    print(f"{label:<48} {row['fused_over_d2d']:>20.2f}")
+for name, dtype in (("copy.json", "fp32"), ("copy_bf16.json", "bf16")):
+    for row in (load(name) or {}).get("rows", []):
+        label = f"copy fused/D2D {dtype} at {row['bytes'] >> 20} MiB"
+        print(f"{label:<48} {row['fused_over_d2d']:>20.2f}")
 bw = load("allreduce_bw.json")
 if bw:
     big = [r for r in bw["rows"] if r["bytes"] >= 64 << 20 and not r["inplace"]]
