@@ -1,9 +1,21 @@
 """Markdown tables for docs/PERFORMANCE.md from the benchmarks' JSON files.
 
     python bench/report.py bench/out/step_cpu.json bench/out/allreduce_bw_cpu.json
+    python bench/report.py --summary bench/out/issue10_run*.json   # one row per model over runs
+
+--summary combines repeated step_bench runs of the same models: per model the medians over the
+runs of DDP's and FusedReducer's median step, of their ratio and of the exposed communication,
+each run's ratio and A/A ratio (the noise band), and the geometric mean of the per-model median
+ratios; with --targets, the issue-10 acceptance checks.
 """
+import argparse
 import json
-import sys
+import math
+import statistics
+
+IMPL_NAMES = {"ddp": "DDP", "fused": "FusedReducer", "ddp_aa": "DDP (A/A twin)",
+              "fused_aa": "FusedReducer (A/A twin)", "tuned": "FusedReducer autotune",
+              "local": "no wrapper"}
 
 
 def step_table(data):
@@ -14,9 +26,10 @@ def step_table(data):
              "| model | first / cap (MiB) | impl | median ms | p90 ms | all-reduces/step | MB/step "
              "| exposed comm ms | median / DDP |", "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
+        mb = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.1f}"
         lines.append(f"| {r['model']} | {r['first_bucket_mb']:g} / {r['bucket_cap_mb']:g} | "
-                     f"{'FusedReducer' if r['impl'] == 'fused' else 'DDP'} | {r['median_ms']:.1f} | "
-                     f"{r['p90_ms']:.1f} | {r['collectives_per_step']} | {r['bytes_per_step'] / 1e6:.1f} | "
+                     f"{IMPL_NAMES.get(r['impl'], r['impl'])} | {r['median_ms']:.1f} | "
+                     f"{r['p90_ms']:.1f} | {r['collectives_per_step']} | {mb} | "
                      f"{r['exposed_comm_ms']:.1f} | **{r['ratio_to_ddp']:.3f}** |")
     return "\n".join(lines)
 
@@ -39,13 +52,107 @@ def bw_table(data):
     return "\n".join(lines)
 
 
-def main(paths):
-    for path in paths:
-        data = json.load(open(path))
+# -- summary over repeated runs -------------------------------------------------------------------
+def summarise_runs(datas, impl="fused"):
+    """Per (model, first, cap): lists over runs, and their medians. `impl`: the FusedReducer row
+    compared with DDP ('fused', or 'tuned' for --autotune runs)."""
+    out = {}
+    for data in datas:
+        for r in data["rows"]:
+            if r["impl"] != impl:
+                continue
+            key = (r["model"], r["first_bucket_mb"], r["bucket_cap_mb"])
+            ddp = next(d for d in data["rows"] if d["impl"] == "ddp" and d["model"] == r["model"]
+                       and d["first_bucket_mb"] == r["first_bucket_mb"]
+                       and d["bucket_cap_mb"] == r["bucket_cap_mb"])
+            e = out.setdefault(key, {"model": r["model"], "first": r["first_bucket_mb"],
+                                     "cap": r["bucket_cap_mb"], "params": r.get("params"),
+                                     "tensors": r.get("tensors"), "buckets": len(r["bucket_sizes"]),
+                                     "runs": []})
+            tel = r.get("telemetry") or {}
+            e["runs"].append({"ddp_ms": ddp["median_ms"], "fr_ms": r["median_ms"],
+                              "ratio": r["ratio_to_ddp"], "aa": r.get("aa_ratio"),
+                              "ci": r.get("ratio_ci90"),
+                              "exp_ddp": ddp["exposed_comm_ms"], "exp_fr": r["exposed_comm_ms"],
+                              "exp_fr_tel": tel.get("exposed_ms"),
+                              "commit": data["meta"].get("git_commit"),
+                              "date": data["meta"]["date"][:10], "steps": r["steps"]})
+    for e in out.values():
+        runs = e["runs"]
+        for k in ("ddp_ms", "fr_ms", "ratio", "exp_ddp", "exp_fr", "exp_fr_tel"):
+            vals = [x[k] for x in runs if x[k] is not None]
+            e[k] = statistics.median(vals) if vals else None
+        aas = [x["aa"] for x in runs if x["aa"] is not None]
+        e["aa_runs"] = aas
+        e["noise"] = max((abs(a - 1) for a in aas), default=None)
+    return list(out.values())
+
+
+def summary_table(datas, impl="fused", targets=False):
+    rows = summarise_runs(datas, impl)
+    metas = [d["meta"] for d in datas]
+    commits = sorted({m.get("git_commit") or "?" for m in metas})
+    dates = sorted({m["date"][:16] for m in metas})
+    who = "FusedReducer(autotune=True)" if impl == "tuned" else "FusedReducer"
+    lines = [f"{len(datas)} run(s), {metas[0]['cpu_count']} cores {metas[0].get('cpu_model', '')}, "
+             f"world {metas[0]['world_size']} {metas[0]['backend']} on {metas[0]['device_type']}, "
+             f"torch {metas[0]['torch_version']}, commit {', '.join(commits)}, "
+             f"{dates[0]} - {dates[-1]} UTC; commands:", ""]
+    lines += [f"- `{m['command']}`" for m in metas]
+    lines += ["", f"| model | params / tensors | first / cap (MiB), buckets | DDP ms | {who} ms "
+              "| ratio (median of runs) | ratio per run | A/A per run (DDP/DDP) | exposed comm ms "
+              "DDP / FR (probe) / FR (telemetry) | commit | date |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        per_run = ", ".join(f"{x['ratio']:.3f}" for x in e["runs"])
+        aa_runs = ", ".join(f"{a:.3f}" for a in e["aa_runs"]) or "-"
+        commits = ", ".join(sorted({x["commit"] or "?" for x in e["runs"]}))
+        days = ", ".join(sorted({x["date"] for x in e["runs"]}))
+        lines.append(
+            f"| {e['model']} | {e['params'] / 1e6:.2f}M / {e['tensors']} | {e['first']:g} / "
+            f"{e['cap']:g}, {e['buckets']} | {e['ddp_ms']:.1f} | {e['fr_ms']:.1f} | "
+            f"**{e['ratio']:.3f}** | {per_run} | {aa_runs} | {fmt(e['exp_ddp'])} / "
+            f"{fmt(e['exp_fr'])} / {fmt(e['exp_fr_tel'])} | {commits} | {days} |")
+    gm = math.exp(sum(math.log(e["ratio"]) for e in rows) / len(rows)) if rows else float("nan")
+    noise = max((e["noise"] for e in rows if e["noise"] is not None), default=None)
+    lines += ["", f"Geometric mean of the per-model median ratios: **{gm:.3f}** over {len(rows)} "
+              f"models. A/A noise band: largest |DDP/DDP - 1| of any run "
+              + ("-" if noise is None else f"{noise:.3f}") + "."]
+    if targets:
+        lines += ["", "| model | ratio <= 1 within noise | exposed comm <= DDP's |", "|---|---|---|"]
+        for e in rows:
+            band = e["noise"] or 0.0
+            lines.append(f"| {e['model']} | {'yes' if e['ratio'] <= 1 + band else 'NO'} "
+                         f"({e['ratio']:.3f} vs 1 + {band:.3f}) | "
+                         f"{'yes' if e['exp_fr'] <= e['exp_ddp'] else 'NO'} "
+                         f"({e['exp_fr']:.1f} vs {e['exp_ddp']:.1f}) |")
+        lines.append(f"| geometric mean <= 0.95 | {'yes' if gm <= 0.95 else 'NO'} ({gm:.3f}) | |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="report.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", help="JSON files written by the benchmarks")
+    parser.add_argument("--summary", action="store_true",
+                        help="one table over repeated step_bench runs (one row per model)")
+    parser.add_argument("--impl", choices=("fused", "tuned"), default="fused",
+                        help="with --summary: compare FusedReducer (fused) or the autotuned "
+                             "FusedReducer (tuned) with DDP")
+    parser.add_argument("--targets", action="store_true",
+                        help="with --summary: add the issue-10 acceptance checks")
+    args = parser.parse_args(argv)
+    datas = [json.load(open(p)) for p in args.paths]
+    if args.summary:
+        print(summary_table(datas, args.impl, args.targets))
+        return 0
+    for data in datas:
         bench = data["meta"].get("benchmark", "")
         print(step_table(data) if bench == "step_bench" else bw_table(data))
         print()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main())

@@ -7,13 +7,24 @@ same bucket settings, measured interleaved in one run.
         --json bench/out/sweep.json                             # + bench/out/sweep.png heatmap
     torchrun --nproc-per-node 8 bench/step_bench.py --model large --hidden 2048
 
-Models (identical weights for both wrappers: same seed; same inputs per step index):
+    python bench/step_bench.py --model all --json bench/out/real.json   # the issue-10 set
+    python bench/step_bench.py --model resnet18 --channels-last --autotune
+
+Models (bench/models.py; identical weights for both wrappers: same seed; same inputs per step
+index):
   large       transformer-like blocks (LayerNorm, single-head causal attention qkv + proj, MLP
               4x): 12 tensors and ~12*hidden^2 parameters per block; the defaults (4 blocks,
               hidden 768, batch 2 x seq 16) give 28.4M parameters in 50 tensors (113 MB of
               fp32 gradients).
   many-small  hundreds of tiny residual Linear(hidden, hidden) layers; defaults 200 x 64, batch
               32: 400 tensors, 0.83M parameters (3.3 MB).
+  resnet18, resnet50 (and -cl: channels_last)
+              torchvision, num_classes=10, batch 8 / 4 of 32x32 images: 11.2M params in 62
+              tensors / 23.5M in 161.
+  gpt2        transformers GPT2LMHeadModel from a config: 2 layers, 128 wide, tied embeddings,
+              batch 4 x seq 32: 6.9M params in 28 tensors.
+  bert        transformers BertForMaskedLM, 2 layers, 128 wide: 4.4M params in 42 tensors.
+  Sets: synthetic (default), real, all. The real models need `pip install '.[bench]'`.
 
 One step = zero_grad + forward + loss + backward (no optimizer: the weights stay identical,
 so the gradients of the two wrappers can be compared, and the optimizer would cost both the
@@ -26,9 +37,18 @@ constructed with bucket_cap_mb=None (DDP ignores the first-bucket default when b
 passed); FusedReducer gets first_bucket_mb= and bucket_cap_mb=. The rows report both layouts
 (DDP's rebuilt_bucket_sizes, FusedReducer.bucket_sizes()) and whether they match.
 
-Interleaving: timed steps run in blocks of --block steps per wrapper, alternating wrappers and
-reversing the order every round (DDP,fused / fused,DDP / ...), so machine noise and drift hit
-both alike.
+Interleaving: timed steps run in rounds of --block steps per wrapper; the rounds cycle through
+every order of the wrappers (DDP,fused / fused,DDP / ...; with the A/A twin or --autotune all 6
+or 24 orders), so machine noise, drift and position effects (a wrapper running right after
+itself finds warm caches) hit all alike.
+
+A/A noise band: --aa ddp (the default) adds a second, identical DDP, timed in the same rounds;
+its median over the first DDP's is the ratio noise alone produces on this machine, printed next
+to FusedReducer/DDP together with bootstrap 90 % intervals of both ratios (resampling paired
+steps). --autotune adds FusedReducer(autotune=True), tuned to its choice before the timed steps,
+compared with the same (default-limits) DDP. FusedReducer's own telemetry of the timed steps
+(Note [Step telemetry]) is summarised under each configuration: last gradient -> gradients
+written, time blocked in waits, and per bucket pack, ready->launch, launch->complete, wait.
 
 Collectives per step are counted independently of FusedReducer's stats, with torch.profiler on
 one extra step per wrapper: on CPU the c10d dispatcher op events 'c10d::allreduce_' (every
@@ -60,85 +80,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 MiB = 1024 * 1024
-MODELS = ("large", "many-small")
-MODEL_DEFAULTS = {"large": {"layers": 4, "hidden": 768, "batch": 2, "seq": 16},
-                  "many-small": {"layers": 200, "hidden": 64, "batch": 32, "seq": None}}
-
-
-# -- models -------------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block with single-head causal attention."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TransformerLike(nn.Module):
-    def __init__(self, layers, hidden):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x)
-
-
-class ManySmall(nn.Module):
-    def __init__(self, layers, hidden):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + torch.tanh(layer(x))
-        return x
-
-
-class ModelSpec:
-    def __init__(self, name, layers, hidden, batch, seq, seed):
-        self.name, self.layers, self.hidden = name, layers, hidden
-        self.batch, self.seq, self.seed = batch, seq, seed
-
-    def build(self, device):
-        torch.manual_seed(self.seed)
-        model = (TransformerLike if self.name == "large" else ManySmall)(self.layers, self.hidden)
-        return model.to(device)
-
-    def input(self, rank, index, device):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rank * 10_007 + index)
-        shape = (self.batch, self.seq, self.hidden) if self.name == "large" else (self.batch, self.hidden)
-        return torch.randn(shape, generator=g).to(device)
-
-    def describe(self, model):
-        params = [p for p in model.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        shape = (f"{self.layers} blocks x hidden {self.hidden}, batch {self.batch} x seq {self.seq}"
-                 if self.name == "large" else
-                 f"{self.layers} layers x hidden {self.hidden}, batch {self.batch}")
-        return {"model": self.name, "layers": self.layers, "hidden": self.hidden,
-                "batch": self.batch, "seq": self.seq if self.name == "large" else None,
-                "params": numel, "tensors": len(params), "grad_bytes": grad_bytes, "shape": shape}
+# The model zoo lives in bench/models.py; these names stay importable from here.
+from models import (MODEL_DEFAULTS, MODELS, Block, ManySmall, MissingLibrary,  # noqa: E402,F401
+                    ModelSpec, TransformerLike)
+import models as zoo  # noqa: E402
 
 
 # -- wrappers -----------------------------------------------------------------------------------
@@ -158,10 +109,10 @@ def make_ddp(module, ctx, first_mb, cap_mb, grad_as_view):
         ddp_module._DEFAULT_BUCKET_CAP_MB = saved_cap
 
 
-def make_fused(module, first_mb, cap_mb, grad_as_view):
+def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False):
     from fused_reducer import FusedReducer
     return FusedReducer(module, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
-                        gradient_as_bucket_view=grad_as_view)
+                        gradient_as_bucket_view=grad_as_view, autotune=autotune)
 
 
 def ddp_layout(ddp):
@@ -291,12 +242,51 @@ def count_collectives(ctx, model, x, grad_as_view):
 
 
 # -- one configuration --------------------------------------------------------------------------
+AA_NAMES = {"ddp": "ddp_aa", "fused": "fused_aa"}
+FUSED_KINDS = ("fused", "fused_aa", "tuned")
+
+
+def fused_telemetry(history):
+    """Per step, from FusedReducer's own telemetry (Note [Step telemetry]): exposed_ms = last
+    gradient hook -> gradients written back (the reducer's view of what step_bench's probe
+    measures from outside), wait_ms = time blocked waiting for collectives, finalize_ms = end of
+    backward callback -> gradients written back, and per bucket pack_us, wait_us, launch_lag_us
+    (last gradient of the bucket -> its collective launched) and comm_us (launch -> seen
+    complete; an upper bound)."""
+    steps = []
+    for h in history:
+        buckets = h["buckets"]
+        readies = [b["ready_last_us"] for b in buckets if b["ready_last_us"] == b["ready_last_us"]]
+        last_ready = max(readies) if readies else 0.0
+        steps.append({
+            "step": h["step"],
+            "exposed_ms": (h["finalize_end_us"] - last_ready) / 1e3,
+            "wait_ms": h["exposed_wait_us"] / 1e3,
+            "finalize_ms": (h["finalize_end_us"] - h["backward_end_us"]) / 1e3,
+            "overlap": h["overlap"],
+            "buckets": [{"bytes": b["bytes"], "params": b["params"], "pack_us": b["pack_us"],
+                         "wait_us": b["wait_us"],
+                         "launch_lag_us": b["launch_us"] - b["ready_last_us"],
+                         "comm_us": b["complete_us"] - b["launch_us"]} for b in buckets],
+        })
+    return steps
+
+
 def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
-    """Both wrappers (and the baseline) on one (model, first, cap): per-rank measurements."""
+    """DDP and FusedReducer (and the A/A twin, the tuned FusedReducer, the baseline) on one
+    (model, first, cap), interleaved: per-rank measurements."""
     gv = args.grad_as_bucket_view
     ddp = make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)
     fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv)
     variants = [("ddp", ddp), ("fused", fused)]
+    if args.aa == "ddp":  # A/A: a second, identical DDP, timed the same way (the noise band)
+        variants.append(("ddp_aa", make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)))
+    elif args.aa == "fused":
+        variants.append(("fused_aa", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv)))
+    tuned = None
+    if args.autotune:  # starts from the same limits, then picks its own
+        tuned = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, autotune=True)
+        variants.append(("tuned", tuned))
     if args.baseline:
         variants.append(("local", spec.build(ctx.device)))
     index = 0
@@ -306,12 +296,25 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         index += 1
         return spec.input(ctx.rank, index, ctx.device)
 
-    # Warm-up: both wrappers rebuild their buckets from the observed order after step 1.
+    # Warm-up: the wrappers rebuild their buckets from the observed order after step 1.
     for w in range(args.warmup):
         x = next_input()
         for _, model in variants:
             train_step(ctx, model, x, gv)
         progress(f"{label}: warm-up {w + 1}/{args.warmup}")
+
+    # The tuner runs to its choice before anything is timed (its trial steps are its own).
+    tune_steps = 0
+    if tuned is not None:
+        while not tuned.autotune_report()["done"]:
+            train_step(ctx, tuned, next_input(), gv)
+            tune_steps += 1
+            if tune_steps > args.autotune_max_steps:
+                raise SystemExit(f"{label}: the tuner did not finish in {tune_steps} steps")
+            progress(f"{label}: tuning, step {tune_steps}")
+        for _ in range(2):  # the chosen layout is applied at the next forward
+            train_step(ctx, tuned, next_input(), gv)
+        progress(f"{label}: tuned after {tune_steps} steps: {tuned.bucket_sizes()}", force=True)
 
     # Same weights, same input -> the averaged gradients must agree.
     x = next_input()
@@ -323,19 +326,24 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         diff = max(diff, (a.grad - b.grad).abs().max().item())
         scale = max(scale, a.grad.abs().max().item())
 
-    # Timed steps, interleaved in blocks, alternating order each round.
+    # Timed steps, interleaved in blocks, cycling through the orders (round_order). FusedReducer keeps the
+    # telemetry of every timed step (its history ring is sized to hold them).
+    for name, model in variants:
+        if name in FUSED_KINDS:
+            model.trace_steps = max(model.trace_steps, args.steps)
     times = {name: [] for name, _ in variants}
     done, rnd = 0, 0
     while done < args.steps:
         block = min(args.block, args.steps - done)
         inputs = [next_input() for _ in range(block)]
-        order = variants if rnd % 2 == 0 else list(reversed(variants))
-        for name, model in order:
+        for name, model in round_order(variants, rnd):
             for x in inputs:
                 times[name].append(timed_step(ctx, model, x, gv))
         done += block
         rnd += 1
         progress(f"{label}: timed step {done}/{args.steps}")
+    telemetry = {name: fused_telemetry(model.step_history()[-args.steps:])
+                 for name, model in variants if name in FUSED_KINDS}
 
     exposed, collectives = {}, {}
     for name, model in variants:
@@ -352,17 +360,104 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     progress(f"{label}: probes done", force=True)
 
     result = {"times": times, "exposed": exposed, "collectives": collectives,
+              "telemetry": telemetry,
               "grad_max_abs_diff": diff, "grad_max_abs": scale,
               "ddp_buckets": ddp_layout(ddp), "fused_buckets": fused.bucket_sizes(),
               "fused_stats": fused.stats(),
+              "fr_stats": {name: model.stats() for name, model in variants if name in FUSED_KINDS},
+              "fr_buckets": {name: model.bucket_sizes() for name, model in variants
+                             if name in FUSED_KINDS},
               "ddp_num_buckets_reduced": ddp._get_ddp_logging_data().get("num_buckets_reduced")}
-    del ddp, fused, variants
+    if tuned is not None:
+        result["autotune"] = {"report": tuned.autotune_report(), "tune_steps": tune_steps,
+                              "limits": [tuned.first_bucket_bytes, tuned.bucket_cap_bytes,
+                                         tuned.last_bucket_bytes]}
+    del ddp, fused, tuned, variants
     gc.collect()
     return result
 
 
+def _order_cycle(n):
+    """A cycle through all n! orders of n wrappers in which no round starts with the wrapper
+    that ended the previous one (n >= 3; for n = 2: A,B / B,A, each wrapper repeated once per
+    cycle across the boundary, equally)."""
+    import itertools
+    perms = list(itertools.permutations(range(n)))
+    if n <= 2:
+        return perms
+    path, used = [perms[0]], {perms[0]}
+
+    def extend():
+        if len(path) == len(perms):
+            return path[-1][-1] != path[0][0]
+        for q in perms:
+            if q not in used and q[0] != path[-1][-1]:
+                path.append(q)
+                used.add(q)
+                if extend():
+                    return True
+                path.pop()
+                used.discard(q)
+        return False
+
+    extend()
+    return path
+
+
+def round_order(variants, rnd):
+    """The order of round `rnd`. The rounds cycle through every order of the wrappers, so over
+    a cycle each runs in each position equally often, and (from three wrappers on) none runs
+    right after itself: reversing alone is not enough for three, where the middle one would
+    never follow itself (warm caches) while the ends would at every round boundary."""
+    if len(variants) > 4:  # 5! rounds would not complete: rotations
+        k = rnd % len(variants)
+        return variants[k:] + variants[:k]
+    cycle = _order_cycle(len(variants))
+    return [variants[i] for i in cycle[rnd % len(cycle)]]
+
+
 def _module(model):
     return getattr(model, "module", model)
+
+
+def ratio_ci(num, den, level=90, resamples=2000, seed=0):
+    """Bootstrap interval of median(num) / median(den) over paired steps (step i of both ran
+    in the same round on the same input): resample step indices with replacement."""
+    import random
+    rng = random.Random(seed)
+    n = min(len(num), len(den))
+    if n < 2:
+        r = common.median(num) / common.median(den)
+        return [r, r]
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(common.median([num[i] for i in idx]) / common.median([den[i] for i in idx]))
+    tail = (100 - level) / 2
+    return [common.percentile(ratios, tail), common.percentile(ratios, 100 - tail)]
+
+
+def _telemetry_summary(per_rank, name):
+    """Median over timed steps (per step the minimum over ranks for exposed/wait, as the probe
+    does), and per bucket the per-rank medians of pack_us, wait_us, launch_lag_us, comm_us."""
+    tel = [r["telemetry"][name] for r in per_rank]
+    n = min(len(t) for t in tel)
+    if not n:
+        return None
+    out = {}
+    for key in ("exposed_ms", "wait_ms", "finalize_ms"):
+        out[key] = common.median([min(t[i][key] for t in tel) for i in range(n)])
+        out[key + "_per_rank"] = [common.median([t[i][key] for i in range(n)]) for t in tel]
+    out["overlap_per_rank"] = [common.median([t[i]["overlap"] for i in range(n)]) for t in tel]
+    nb = min(len(t[i]["buckets"]) for t in tel for i in range(n))
+    buckets = []
+    for b in range(nb):
+        entry = {"bytes": tel[0][0]["buckets"][b]["bytes"], "params": tel[0][0]["buckets"][b]["params"]}
+        for key in ("pack_us", "wait_us", "launch_lag_us", "comm_us"):
+            entry[key] = [common.median([t[i]["buckets"][b][key] for i in range(n)]) for t in tel]
+        buckets.append(entry)
+    out["buckets"] = buckets
+    return out
 
 
 def summarise(per_rank, spec_info, first_mb, cap_mb, world):
@@ -375,16 +470,17 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
                    for i in range(len(per_rank[0]["exposed"][name]))]
         count, nbytes, how = per_rank[0]["collectives"][name]
         bytes_source = "profiler: backend all_reduce events (shape x dtype)"
-        stats = per_rank[0]["fused_stats"]
-        if nbytes is None and name == "fused":
+        stats = per_rank[0]["fr_stats"].get(name)
+        if nbytes is None and stats is not None:
             nbytes, bytes_source = stats["allreduce_bytes"], "FusedReducer.stats()"
-        elif nbytes is None and name == "ddp":
+        elif nbytes is None and name.startswith("ddp"):
             nbytes, bytes_source = sum(per_rank[0]["ddp_buckets"]) or None, "DDP bucket sizes"
         elif name == "local":
             bytes_source = "no communication"
         row = {
             "model": spec_info["model"], "first_bucket_mb": first_mb, "bucket_cap_mb": cap_mb,
             "impl": name, "world_size": world, "steps": len(steps),
+            "params": spec_info["params"], "tensors": spec_info["tensors"],
             "median_ms": common.median(steps), "p90_ms": common.percentile(steps, 90),
             "mean_ms": sum(steps) / len(steps), "min_ms": min(steps),
             "collectives_per_step": count, "collectives_source": how,
@@ -393,34 +489,47 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
             "step_times_ms": steps, "exposed_samples_ms": exposed,
             "exposed_per_rank_ms": [r["exposed"][name] for r in per_rank],
         }
-        if name == "ddp":
+        if name.startswith("ddp"):
             row["bucket_sizes"] = per_rank[0]["ddp_buckets"]
             row["ddp_num_buckets_reduced"] = per_rank[0]["ddp_num_buckets_reduced"]
-        elif name == "fused":
-            row["bucket_sizes"] = per_rank[0]["fused_buckets"]
+        elif stats is not None:
+            row["bucket_sizes"] = per_rank[0]["fr_buckets"][name]
             row["stats"] = stats
+            row["telemetry"] = _telemetry_summary(per_rank, name)
+        if name == "tuned":
+            row["autotune"] = per_rank[0]["autotune"]
         rows[name] = row
     ddp = rows["ddp"]
     for row in rows.values():
         row["ratio_to_ddp"] = row["median_ms"] / ddp["median_ms"]
         row["p90_ratio_to_ddp"] = row["p90_ms"] / ddp["p90_ms"]
+        row["ratio_ci90"] = ratio_ci(row["step_times_ms"], ddp["step_times_ms"])
     check = {"grad_max_abs_diff": max(r["grad_max_abs_diff"] for r in per_rank),
              "grad_max_abs": max(r["grad_max_abs"] for r in per_rank),
              "layout_match": per_rank[0]["ddp_buckets"] == per_rank[0]["fused_buckets"]}
     rows["fused"].update(check)
+    # The A/A pair: the same wrapper twice; its ratio is what noise alone gives.
+    for twin, ref in (("ddp_aa", "ddp"), ("fused_aa", "fused")):
+        if twin in rows:
+            aa = rows[twin]["median_ms"] / rows[ref]["median_ms"]
+            aa_ci = ratio_ci(rows[twin]["step_times_ms"], rows[ref]["step_times_ms"])
+            for row in rows.values():
+                row["aa"] = f"{twin}/{ref}"
+                row["aa_ratio"] = aa
+                row["aa_ci90"] = aa_ci
     return list(rows.values())
 
 
 # -- output -------------------------------------------------------------------------------------
 TABLE_HEAD = (
-    "#  first     cap  impl     median      p90  colls    MB/step  exposed   ratio  buckets\n"
-    "#  (MiB)   (MiB)             (ms)     (ms)  /step    (1e6 B)     (ms)    /DDP")
+    "#  first     cap  impl       median      p90  colls    MB/step  exposed   ratio  buckets\n"
+    "#  (MiB)   (MiB)               (ms)     (ms)  /step    (1e6 B)     (ms)    /DDP")
 
 
 def format_row(row):
     mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
     buckets = len(row.get("bucket_sizes") or []) or "-"
-    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<6}"
+    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<8}"
             f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}  {row['collectives_per_step']:5d}"
             f"  {mb:>9}  {row['exposed_comm_ms']:7.2f}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
 
@@ -488,13 +597,13 @@ def worker(ctx, args):
     configs = [(f, c) for f in firsts for c in caps]
     specs = []
     for name in args.model:
-        d = MODEL_DEFAULTS[name]
-        specs.append(ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
-                               args.batch or d["batch"], args.seq or d["seq"], args.seed))
+        specs.append(ModelSpec.from_args(name, args.layers, args.hidden, args.batch, args.seq,
+                                         args.seed))
     meta = common.collect_meta(ctx, extra={
         "benchmark": "step_bench", "steps": args.steps, "warmup": args.warmup,
         "probe_steps": args.probe_steps, "block": args.block, "seed": args.seed,
-        "gradient_as_bucket_view": args.grad_as_bucket_view,
+        "gradient_as_bucket_view": args.grad_as_bucket_view, "aa": args.aa,
+        "autotune": args.autotune,
         "step": "zero_grad + forward + loss + backward; slowest rank per step",
         "exposed_comm": ("last post-accumulate-grad hook -> backward() returns; min over ranks per "
                          "probe step, median over probe steps")})
@@ -504,8 +613,8 @@ def worker(ctx, args):
       f"torch {meta['torch_version']}, {meta['hostname']} ({meta['usable_cpus']} usable cores, "
       f"{meta['threads_per_rank']} threads/rank), {meta['date']}")
     p(f"# {args.steps} timed steps per wrapper after {args.warmup} warm-up, interleaved in blocks of "
-      f"{args.block} (order reversed every round); {args.probe_steps} probe steps for exposed comm; "
-      f"seed {args.seed}")
+      f"{args.block} (the rounds cycle through every order of the wrappers); {args.probe_steps} probe steps for exposed comm; "
+      f"seed {args.seed}" + (f"; A/A pair: {AA_NAMES[args.aa]} vs {args.aa}" if args.aa != "none" else ""))
 
     rows, models_info = [], []
     total = len(specs) * len(configs)
@@ -535,6 +644,8 @@ def worker(ctx, args):
                   + ("match" if fused["layout_match"] else
                      f"DIFFER: DDP {next(r for r in config_rows if r['impl'] == 'ddp')['bucket_sizes']} "
                      f"vs fused {fused['bucket_sizes']}"))
+                for line in describe_config(config_rows):
+                    p(line)
 
     if ctx.rank == 0:
         p("#")
@@ -543,8 +654,19 @@ def worker(ctx, args):
                 fr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "fused"
                       and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
                 if fr:
+                    f = fr[0]
+                    aa = (f" (A/A {f['aa']} {f['aa_ratio']:.3f})" if "aa_ratio" in f else "")
                     p(f"# ratio FusedReducer/DDP median step, {info['model']} (first {first_mb:g}, "
-                      f"cap {cap_mb:g} MiB): {fr[0]['ratio_to_ddp']:.3f}")
+                      f"cap {cap_mb:g} MiB): {f['ratio_to_ddp']:.3f}{aa}")
+                tr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "tuned"
+                      and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
+                if tr:
+                    p(f"# ratio tuned FusedReducer/DDP median step, {info['model']} (DDP first "
+                      f"{first_mb:g}, cap {cap_mb:g} MiB): {tr[0]['ratio_to_ddp']:.3f}")
+        fused_rows = [r for r in rows if r["impl"] == "fused"]
+        if len(fused_rows) > 1:
+            gm = math.exp(sum(math.log(r["ratio_to_ddp"]) for r in fused_rows) / len(fused_rows))
+            p(f"# geometric mean of FusedReducer/DDP over {len(fused_rows)} configurations: {gm:.3f}")
         settings = {k: v for k, v in vars(args).items() if k != "corrupt"}
         if args.json:
             common.write_json(args.json, {"meta": meta, "settings": settings, "models": models_info,
@@ -560,11 +682,50 @@ def worker(ctx, args):
     return 0
 
 
+def describe_config(config_rows):
+    """Comment lines under a configuration's rows: the A/A band and the ratio's interval,
+    FusedReducer's own telemetry (exposed, blocked waits, per bucket) and the tuner's choice."""
+    by = {r["impl"]: r for r in config_rows}
+    fused = by["fused"]
+    lines = []
+    lo, hi = fused["ratio_ci90"]
+    line = f"#   FusedReducer/DDP {fused['ratio_to_ddp']:.3f} (bootstrap 90% interval {lo:.3f}-{hi:.3f})"
+    if "aa_ratio" in fused:
+        alo, ahi = fused["aa_ci90"]
+        line += (f"; A/A {fused['aa']} {fused['aa_ratio']:.3f} (interval {alo:.3f}-{ahi:.3f}): "
+                 f"noise band +-{abs(fused['aa_ratio'] - 1):.3f}")
+    lines.append(line)
+    for name in FUSED_KINDS:
+        tel = by.get(name, {}).get("telemetry")
+        if not tel:
+            continue
+        lines.append(
+            f"#   {name} telemetry (median of timed steps): last gradient -> grads written "
+            f"{tel['exposed_ms']:.2f} ms, blocked in waits {tel['wait_ms']:.2f} ms, end-of-backward "
+            f"callback {tel['finalize_ms']:.2f} ms; overlap per rank "
+            + "/".join(f"{o:.2f}" for o in tel["overlap_per_rank"]))
+        for i, b in enumerate(tel["buckets"]):
+            per = lambda key: "/".join(f"{v / 1e3:.2f}" for v in b[key])  # noqa: E731
+            lines.append(f"#     bucket {i}: {b['bytes'] / 1e6:7.2f} MB {b['params']:4d} params: pack "
+                         f"{per('pack_us')} ms, ready->launch {per('launch_lag_us')} ms, "
+                         f"launch->complete {per('comm_us')} ms, wait {per('wait_us')} ms (per rank)")
+    tuned = by.get("tuned")
+    if tuned:
+        f, c, last = tuned["autotune"]["limits"]
+        lines.append(f"#   tuned: first {common.format_size(f)} cap {common.format_size(c)} last "
+                     f"{common.format_size(last) if last else 'off'} after "
+                     f"{tuned['autotune']['tune_steps']} tuning steps; tuned/DDP "
+                     f"{tuned['ratio_to_ddp']:.3f}")
+    return lines
+
+
 def _models(text):
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = zoo.expand(n.strip() for n in text.split(",") if n.strip())
     if not names or any(n not in MODELS for n in names):
-        raise argparse.ArgumentTypeError(f"--model takes a comma list of {', '.join(MODELS)}; got {text!r}")
-    return list(dict.fromkeys(names))
+        raise argparse.ArgumentTypeError(
+            f"--model takes a comma list of {', '.join(MODELS)} or of the sets "
+            f"{', '.join(zoo.ALIASES)}; got {text!r}")
+    return names
 
 
 def _positive_int(text):
@@ -591,18 +752,26 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="step_bench.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     m = parser.add_argument_group("model")
-    m.add_argument("--model", type=_models, default=list(MODELS),
-                   help="comma list of models to run: large, many-small (default both)")
+    m.add_argument("--model", type=_models, default=list(zoo.SYNTHETIC),
+                   help="comma list of models to run: " + ", ".join(MODELS) + "; or a set: "
+                        "synthetic (large, many-small; the default), real (the ResNets in both "
+                        "formats, gpt2, bert), all (real + synthetic: the issue-10 set). The real "
+                        "models need the bench extra (pip install '.[bench]')")
+    m.add_argument("--channels-last", action="store_true",
+                   help="run the ResNets in channels_last (resnet18 -> resnet18-cl, ...)")
     m.add_argument("--layers", type=_positive_int, default=None,
-                   help="blocks (large) or Linear layers (many-small); default 4 / 200")
+                   help="blocks (large), Linear layers (many-small) or transformer layers (gpt2, "
+                        "bert); default 4 / 200 / 2")
     m.add_argument("--hidden", type=_positive_int, default=None,
-                   help="hidden size; default 768 (large) / 64 (many-small)")
+                   help="hidden size; default 768 (large) / 64 (many-small) / 128 (gpt2, bert)")
     m.add_argument("--batch", type=_positive_int, default=None,
-                   help="per-rank batch; default 2 (large) / 32 (many-small)")
+                   help="per-rank batch; default 2 (large) / 32 (many-small) / 8 (resnet18) / "
+                        "4 (resnet50, gpt2, bert)")
     m.add_argument("--seq", type=_positive_int, default=None,
                    help="sequence length of the large model's input (default 16; the small "
                         "default keeps a CPU step communication-heavy, ~0.3 s of compute on one "
-                        "core, so the reducers' differences show; raise it on GPUs)")
+                        "core, so the reducers' differences show; raise it on GPUs); of gpt2 and "
+                        "bert (default 32); the image side of the ResNets (default 32)")
     b = parser.add_argument_group("buckets (the same for DDP and FusedReducer)")
     b.add_argument("--first-bucket-mb", type=_positive_float, default=1.0,
                    help="first bucket limit in MiB (default 1, DDP's default)")
@@ -625,6 +794,15 @@ def build_parser():
                    help="consecutive steps of one wrapper before switching (default 1: alternate)")
     r.add_argument("--probe-steps", type=_positive_int, default=3,
                    help="extra steps per wrapper with the exposed-communication hooks (default 3)")
+    r.add_argument("--aa", choices=("ddp", "fused", "none"), default="ddp",
+                   help="A/A pair for the noise band: a second DDP (ddp, the default) or "
+                        "FusedReducer (fused) interleaved with the others; its median over the "
+                        "first's is the ratio noise alone gives")
+    r.add_argument("--autotune", action="store_true",
+                   help="also time FusedReducer(autotune=True) ('tuned', started from the same "
+                        "limits and tuned to its choice before the timed steps) against the DDP")
+    r.add_argument("--autotune-max-steps", type=_positive_int, default=400,
+                   help="fail if the tuner has not chosen after this many steps (default 400)")
     r.add_argument("--baseline", action="store_true",
                    help="also time the bare model without any wrapper or communication ('local')")
     r.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
@@ -645,6 +823,14 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.channels_last:
+        args.model = list(dict.fromkeys(f"{n}-cl" if n in ("resnet18", "resnet50") else n
+                                        for n in args.model))
+    for name in args.model:
+        try:
+            zoo.require(name)
+        except MissingLibrary as e:
+            parser.error(str(e))
     if args.warmup < 2:
         parser.error("--warmup must be >= 2: DDP and FusedReducer rebuild their buckets after step 1")
     return common.launch(worker, args)

@@ -36,8 +36,10 @@ __device__ __forceinline__ double widen(double x) { return x; }
 __device__ __forceinline__ float widen(__half x) { return __half2float(x); }
 __device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// Round-to-nearest-even into the destination dtype, from the arithmetic type:
-// one rounding per element (no intermediate float step for fp64 -> 16 bit).
+// Round-to-nearest-even into the destination dtype, from the arithmetic type.
+// fp64 -> 16 bit goes through float, as torch's casts do (c10::Half and
+// c10::BFloat16 convert from float), so the fused kernel and the ATen fallback
+// give the same bits.
 template <typename D> struct Narrow;
 template <> struct Narrow<float> {
   static __device__ __forceinline__ float from(float x) { return x; }
@@ -49,11 +51,15 @@ template <> struct Narrow<double> {
 };
 template <> struct Narrow<__half> {
   static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
-  static __device__ __forceinline__ __half from(double x) { return __double2half(x); }
+  static __device__ __forceinline__ __half from(double x) {
+    return __float2half_rn(static_cast<float>(x));
+  }
 };
 template <> struct Narrow<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from(double x) {
+    return __float2bfloat16_rn(static_cast<float>(x));
+  }
 };
 
 // Scale in the arithmetic type, then cast: an fp16 destination sees the scaled

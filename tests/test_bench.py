@@ -3,7 +3,9 @@
 The end-to-end runs start the benchmarks as a user would (python bench/...; they spawn their
 own gloo ranks on CPU), so they take a few seconds each; everything else runs in-process.
 """
+import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ sys.path.insert(0, BENCH)
 
 import allreduce_bw  # noqa: E402
 import common  # noqa: E402
+import models  # noqa: E402
 import step_bench  # noqa: E402
 
 ROW_KEYS = {"impl", "bytes", "dtype", "inplace", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}
@@ -140,7 +143,8 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
     out_json = tmp_path / "steps.json"
     res = run_bench("step_bench.py", "--model", "large,many-small", "--layers", "2", "--hidden", "32",
                     "--seq", "8", "--batch", "4", "--steps", "2", "--warmup", "2", "--probe-steps", "1",
-                    "--sweep-first", "0.001,1", "--sweep-cap", "25", "--json", str(out_json), "--quiet")
+                    "--sweep-first", "0.001,1", "--sweep-cap", "25", "--aa", "none",
+                    "--json", str(out_json), "--quiet")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "ratio FusedReducer/DDP median step, large" in out
@@ -174,6 +178,137 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
         assert by_key[(model, 0.001, "fused")]["collectives_per_step"] >= 2
         assert by_key[(model, 1.0, "fused")]["collectives_per_step"] == 1
     assert (tmp_path / "steps.png").read_bytes()[:8] == PNG_MAGIC  # heatmap next to the JSON
+
+
+def real_models_available():
+    """The real models whose library (torchvision / transformers: the bench extra) is here."""
+    names = []
+    for name in models.REAL:
+        try:
+            models.require(name)
+        except models.MissingLibrary:
+            continue
+        names.append(name)
+    return names
+
+
+def test_step_bench_smoke_real_models(tmp_path):
+    """Every model of the real-model set through the whole measurement (1 timed step, tiny
+    inputs), in one run so the ranks start once: gradients equal to DDP's, layouts equal, one
+    collective per bucket and every gradient byte reduced once."""
+    names = real_models_available()
+    if not names:
+        pytest.skip("neither torchvision nor transformers installed (pip install '.[bench]')")
+    out_json = tmp_path / "real.json"
+    res = run_bench("step_bench.py", "--model", ",".join(names), "--steps", "1", "--warmup", "2",
+                    "--probe-steps", "1", "--batch", "2", "--seq", "16", "--aa", "none",
+                    "--json", str(out_json), "--quiet", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "MISMATCH" not in res.stdout and "DIFFER" not in res.stdout
+    data = json.loads(out_json.read_text())
+    assert [m["model"] for m in data["models"]] == names
+    rows = data["rows"]
+    assert len(rows) == 2 * len(names)
+    for info in data["models"]:
+        assert info["channels_last"] == info["model"].endswith("-cl")
+        ddp, fused = (next(r for r in rows if r["model"] == info["model"] and r["impl"] == impl)
+                      for impl in ("ddp", "fused"))
+        for r in (ddp, fused):
+            assert r["collectives_per_step"] == len(r["bucket_sizes"])
+            assert r["bytes_per_step"] >= info["grad_bytes"]  # FusedReducer pads slots to 16 B
+            assert r["exposed_comm_ms"] >= 0 and r["median_ms"] > 0
+        assert fused["layout_match"] and fused["grad_max_abs_diff"] <= 1e-6 * max(1.0, fused["grad_max_abs"])
+        tel = fused["telemetry"]
+        assert tel["exposed_ms"] >= 0 and len(tel["buckets"]) == len(fused["bucket_sizes"])
+    assert f"ratio FusedReducer/DDP median step, {names[0]}" in res.stdout
+    assert "geometric mean of FusedReducer/DDP" in res.stdout or len(names) == 1
+
+
+def test_step_bench_aa_pair_and_autotune(tmp_path):
+    """--aa adds a second instance of one wrapper (the noise band) and --autotune a tuned
+    FusedReducer, both timed interleaved with the others and reported next to the ratio."""
+    out_json = tmp_path / "aa.json"
+    res = run_bench("step_bench.py", "--model", "many-small", "--layers", "6", "--hidden", "16",
+                    "--batch", "4", "--steps", "3", "--warmup", "2", "--probe-steps", "1",
+                    "--aa", "fused", "--autotune", "--json", str(out_json), "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"ddp", "fused", "fused_aa", "tuned"}
+    for r in rows:
+        assert r["steps"] == 3 and r["aa"] == "fused_aa/fused"
+        assert r["aa_ratio"] == pytest.approx(by["fused_aa"]["median_ms"] / by["fused"]["median_ms"])
+        lo, hi = r["ratio_ci90"]
+        assert lo <= hi
+    assert by["tuned"]["autotune"]["report"]["done"]
+    assert by["tuned"]["telemetry"]["buckets"]
+    assert "A/A fused_aa/fused" in res.stdout and "ratio tuned FusedReducer/DDP" in res.stdout
+
+
+def test_step_bench_names_the_bench_extra_when_a_library_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
+    with pytest.raises(models.MissingLibrary, match=r"pip install '\.\[bench\]'"):
+        models.ModelSpec.from_args("resnet18").build("cpu")
+    with pytest.raises(SystemExit) as exc:
+        step_bench.main(["--model", "resnet50", "--channels-last"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "resnet50-cl" in err and "torchvision" in err and ".[bench]" in err
+
+
+def test_model_set_aliases_and_channels_last_flag():
+    assert models.expand(["all"]) == list(models.REAL + models.SYNTHETIC)
+    assert step_bench._models("real,large") == list(models.REAL) + ["large"]
+    with pytest.raises(Exception):
+        step_bench._models("resnet34")
+    args = step_bench.build_parser().parse_args(["--model", "resnet18,gpt2", "--channels-last"])
+    assert args.channels_last  # main() maps resnet18 -> resnet18-cl before launching
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_interleaving_is_balanced(n):
+    """Over a cycle of rounds every wrapper runs in every position equally often, and from
+    three wrappers on (the A/A twin, --autotune) none ever runs right after itself."""
+    variants = [(name, None) for name in "abcd"[:n]]
+    cycle = len(step_bench._order_cycle(n))
+    assert cycle == math.factorial(n)
+    rounds = [[name for name, _ in step_bench.round_order(variants, r)] for r in range(cycle)]
+    assert all(sorted(r) == list("abcd"[:n]) for r in rounds)
+    for pos in range(n):
+        counts = collections.Counter(r[pos] for r in rounds)
+        assert set(counts.values()) == {cycle // n}, counts
+    seq = [name for r in rounds for name in r]  # cyclic: the cycle repeats
+    repeats = collections.Counter(a for a, b in zip(seq, seq[1:] + seq[:1]) if a == b)
+    if n == 2:
+        assert repeats["a"] == repeats["b"]  # A,B / B,A: each repeated alike
+    else:
+        assert not repeats
+    assert step_bench.round_order(variants, cycle) == step_bench.round_order(variants, 0)
+
+
+@pytest.mark.parametrize("name", models.REAL)
+def test_real_models_build_from_configs(name):
+    try:
+        models.require(name)
+    except models.MissingLibrary as e:
+        pytest.skip(str(e))
+    spec = models.ModelSpec.from_args(name, batch=2, seq=16)
+    a, b = spec.build("cpu"), spec.build("cpu")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    info = spec.describe(a)
+    expected = {"resnet18": (11_181_642, 62), "resnet50": (23_528_522, 161)}
+    if name.startswith("resnet"):
+        assert (info["params"], info["tensors"]) == expected[name.split("-")[0]]
+    else:  # tied embeddings: the output layer is the input embedding, one tensor
+        assert info["tensors"] < 50 and 3e6 < info["params"] < 8e6
+    x = spec.input(0, 1, "cpu")
+    assert torch.equal(x, spec.input(0, 1, "cpu")) and not torch.equal(x, spec.input(1, 1, "cpu"))
+    a(x).float().pow(2).mean().backward()
+    convs = [p for p in a.parameters() if p.dim() == 4]
+    if name.endswith("-cl"):
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert all(p.grad.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert all(p.grad is not None for p in a.parameters())  # no unused parameter
 
 
 # -- in-process -----------------------------------------------------------------------------------

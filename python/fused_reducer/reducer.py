@@ -136,7 +136,7 @@ class FusedReducer(nn.Module, Joinable):
             params, self._param_names, self.process_group, str(self._control_device),
             self._transport, first_bytes, cap_bytes, self.gradient_as_bucket_view,
             self.find_unused_parameters, self._timeout_s, last_bytes,
-            reduce_dtype=self._reduce_dtype)
+            reduce_dtype=getattr(self, "_reduce_dtype", None))
         self._reducer.set_trace_capacity(self._trace_steps)
         if self._comm_hook is not None:
             self._reducer.set_comm_hook(_comm_hook_launcher(self))

@@ -57,3 +57,20 @@ def get_default_first_bucket_bytes():
         raise ValueError(f"{ENV_FIRST_BUCKET_BYTES} must be a positive int number of bytes, "
                          f"got {raw!r}") from None
     return check_bytes(ENV_FIRST_BUCKET_BYTES, value)
+
+
+def check_reduce_dtype(value):
+    """Return `value` if it is an accepted reduce dtype (torch.bfloat16, torch.float16,
+    torch.float32 or None), else raise naming it and the accepted ones."""
+    import torch
+    accepted = "torch.bfloat16, torch.float16, torch.float32 or None (each gradient's own dtype)"
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"reduce_dtype must be one of {accepted}; got {value!r} "
+                        f"({type(value).__name__})")
+    if value not in (torch.bfloat16, torch.float16, torch.float32):
+        kind = "floating-point " if value.is_floating_point else "non-floating "
+        raise ValueError(f"reduce_dtype={value} ({kind}dtype) is not supported; accepted: "
+                         f"{accepted}")
+    return value

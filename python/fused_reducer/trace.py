@@ -48,7 +48,8 @@ def chrome_trace(history, rank=0, meta=None):
         limits = {k: s[k] for k in ("first_bucket_bytes", "bucket_cap_bytes", "last_bucket_bytes")}
         events.append(_x(f"step {s['step']}", pid, STEP_TID, t0 + s["forward_us"],
                          s["finalize_end_us"] - s["forward_us"],
-                         dict(limits, buckets=len(s["buckets"]), overlap=round(s["overlap"], 4),
+                         dict(limits, reduce_dtype=s.get("reduce_dtype"),
+                              buckets=len(s["buckets"]), overlap=round(s["overlap"], 4),
                               exposed_wait_us=round(s["exposed_wait_us"], 1))))
         events.append(_x("backward", pid, BACKWARD_TID, t0, s["backward_end_us"],
                          {"note": "first gradient ready -> end of backward"}))

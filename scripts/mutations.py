@@ -1,0 +1,368 @@
+"""The mutation list of `bash scripts/mutants.sh` (logic in scripts/mutants.py, docs/TESTING.md).
+
+Each entry is one small, plausible bug, planted alone in a scratch copy of the tree:
+
+    id       short name, used by `--only`
+    file     path relative to the repository root
+    edits    [(original, replacement), ...]: every `original` must occur exactly once in the
+             file (else the mutation is reported STALE: the code changed, update the entry)
+    why      what a developer could plausibly get wrong, and what a user would then see
+    tests    pytest node ids (or files), cheapest and most direct first; run in this order with
+             -x, the first failure is the kill. Module fixtures spawn once per file, so ids of
+             one file cost one spawn.
+    gpu      (optional) only observable on the NCCL path: reported NOT RUN without a CUDA build
+             and two GPUs.
+
+Keep snippets short but unique, and keep the list honest: a mutation that cannot change
+behaviour (equivalent) does not belong here; replace it with one that can.
+"""
+
+REDUCER_CPP = "ext/reducer.cpp"
+REDUCER_PY = "python/fused_reducer/reducer.py"
+K = "tests/test_mutant_killers.py::"
+EQ = "tests/test_equivalence_ddp.py::"
+BEH = "tests/test_dropin_behaviours.py::"
+
+MUTATIONS = [
+    # -- C++: the gradient path --------------------------------------------------------------------
+    dict(
+        id="scale-1-over-world",
+        file=REDUCER_CPP,
+        edits=[("  return 1.0 / static_cast<double>(divisor);\n}",
+                "  return 1.0;\n}")],
+        why="the copy into the bucket forgets the 1/world_size scale: every rank gets the SUM "
+            "of the gradients, training diverges by a factor world_size",
+        tests=[EQ + "test_fp32_grads_match_ddp_with_default_cap[world2]"],
+    ),
+    dict(
+        id="launch-completion-order",
+        file=REDUCER_CPP,
+        edits=[("  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {\n"
+                "    Bucket& bucket = buckets_[next_to_launch_++];",
+                "  for (size_t b = 0; b < buckets_.size(); ++b) {\n"
+                "    if (buckets_[b].pending != 0 || buckets_[b].timing.launch_us != 0) continue;\n"
+                "    ++next_to_launch_;\n"
+                "    Bucket& bucket = buckets_[b];"),
+               ("      const auto index = static_cast<int64_t>(next_to_launch_ - 1);",
+                "      const auto index = static_cast<int64_t>(b);")],
+        why="a bucket is launched as soon as it is complete instead of strictly in order: ranks "
+            "whose gradients become ready in different orders pair different buckets in the "
+            "collective (wrong sums when the sizes match, a hang when they do not)",
+        tests=[K + "test_buckets_launch_in_layout_order_when_ranks_complete_them_differently",
+               "tests/test_bucket_layout.py"],
+    ),
+    dict(
+        id="skip-layout-broadcast",
+        file=REDUCER_CPP,
+        edits=[("    group_->broadcast(tensors, broadcast)->wait(options_.timeout);",
+                "    (void)broadcast;")],
+        why="the rebuild uses each rank's own observed order and limits instead of rank 0's: "
+            "layouts differ across ranks whenever ready orders differ",
+        tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
+               "tests/test_bucket_layout.py::test_rebuilt_layout_follows_rank0_ready_order_on_every_rank"],
+    ),
+    dict(
+        id="rank0-limits-ignored",
+        file=REDUCER_CPP,
+        edits=[("  options_.first_bucket_bytes = data[0];\n"
+                "  options_.bucket_cap_bytes = data[1];\n"
+                "  options_.last_bucket_bytes = data[2];\n", "")],
+        why="the rebuild takes rank 0's order but keeps this rank's own limits: ranks that set "
+            "different limits build different layouts",
+        tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
+               "tests/test_bucket_layout.py::test_limits_that_differ_by_rank_resolve_to_rank0_values_at_rebuild"],
+    ),
+    dict(
+        id="unused-param-not-zero-filled",
+        file=REDUCER_CPP,
+        edits=[("    jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros",
+                "    (void)view;  // an unused parameter contributes zeros")],
+        why="a locally unused parameter's slot is not zeroed: it contributes whatever the slot "
+            "held (last step's reduced gradient) to the others' average",
+        tests=[EQ + "test_unused_and_rank_dependent_params_match_ddp_find_unused[world2]"],
+    ),
+    dict(
+        id="limits-not-persistent",
+        file=REDUCER_CPP,
+        edits=[("  data[0] = options_.first_bucket_bytes;",
+                "  data[0] = int64_t{1} << 20;  // DDP's kDefaultFirstBucketBytes")],
+        why="DDP's own bug: rebuilds use the 1 MiB constant, so a first bucket set at "
+            "construction or at runtime is lost at the first rebuild",
+        tests=[K + "test_first_bucket_limit_survives_every_rebuild"],
+    ),
+    dict(
+        id="used-map-forgets-no-sync",
+        file=REDUCER_CPP,
+        edits=[("    if (params_[index].grad().defined()) {\n"
+                "      locally_used_[index] = 1;\n"
+                "    }\n"
+                "    return;",
+                "    return;")],
+        why="find_unused_parameters: a parameter used only in no_sync micro-steps counts as "
+            "unused at the synchronised step, its accumulated gradient is not averaged",
+        tests=[K + "test_usage_inside_no_sync_counts_for_find_unused_parameters"],
+    ),
+    dict(
+        id="unarmed-backward-reduced",
+        file=REDUCER_CPP,
+        edits=[("  if (!expect_hooks_) {\n"
+                "    // A backward that no synchronised FusedReducer.forward armed",
+                "  if (false) {\n"
+                "    // A backward that no synchronised FusedReducer.forward armed")],
+        why="a backward that no synchronised forward armed (the inner module called directly, a "
+            "second backward of one graph) is reduced: DDP keeps those gradients local",
+        tests=[K + "test_backward_of_the_inner_module_stays_local"],
+    ),
+    dict(
+        id="contiguous-slot-views",
+        file=REDUCER_CPP,
+        edits=[("          param.is_non_overlapping_and_dense()\n"
+                "              ? bucket.flat.as_strided",
+                "          false\n"
+                "              ? bucket.flat.as_strided")],
+        why="bucket slots are contiguous instead of keeping the parameter's strides: "
+            "channels_last gradients become strided copies, gradient_as_bucket_view changes "
+            "their memory format",
+        tests=[K + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
+               "tests/test_cuda_path_cpu.py::test_slots_are_16_byte_aligned_keep_strides_and_match_ddp"],
+    ),
+    dict(
+        id="slot-alignment-removed",
+        file=REDUCER_CPP,
+        edits=[("constexpr int64_t kSlotAlignBytes = 16;", "constexpr int64_t kSlotAlignBytes = 1;")],
+        why="slots are packed element by element: only the first slot of a bucket starts on a "
+            "16-byte boundary, the fused copy kernel loses its vector path",
+        tests=[K + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
+               "tests/test_cuda_path_cpu.py::test_slots_are_16_byte_aligned_keep_strides_and_match_ddp"],
+    ),
+    dict(
+        id="copy-at-hook-skipped",
+        file=REDUCER_CPP,
+        edits=[("  copy_at_hook_ = !params_.front().is_cuda();", "  copy_at_hook_ = false;")],
+        why="CPU gradients are no longer copied into their slot at their own hook but when the "
+            "bucket is complete: an in-place change to an earlier gradient by a later hook of "
+            "the same backward leaks into the average (DDP copies at the hook)",
+        tests=[K + "test_gradient_is_copied_into_its_slot_at_its_own_hook_like_ddp"],
+    ),
+    dict(
+        id="packed-flag-not-reset",
+        file=REDUCER_CPP,
+        edits=[("  packed_.assign(params_.size(), 0);", "  packed_.resize(params_.size(), 0);")],
+        why="resize instead of assign: the 'already copied at its hook' flag survives into the "
+            "next step, so a parameter unused in that step keeps last step's slot contents "
+            "instead of zeros",
+        tests=[EQ + "test_unused_and_rank_dependent_params_match_ddp_find_unused[world2]"],
+    ),
+    dict(
+        id="early-unpack-with-find-unused",
+        file=REDUCER_CPP,
+        edits=[("  if (!options_.find_unused_parameters) {\n    unpack_completed_buckets();",
+                "  if (true) {\n    unpack_completed_buckets();")],
+        why="reduced buckets are unpacked during backward also with find_unused_parameters, "
+            "before the used map is known: a parameter no rank used gets a zero gradient "
+            "instead of keeping grad None (DDP)",
+        tests=[K + "test_globally_unused_parameter_keeps_grad_none_when_its_bucket_finishes_early"],
+    ),
+    dict(
+        id="nonview-unpack-gives-view",
+        file=REDUCER_CPP,
+        edits=[("      grad = options_.gradient_as_bucket_view\n"
+                "                 ? view\n",
+                "      grad = true\n"
+                "                 ? view\n")],
+        why="without gradient_as_bucket_view, param.grad becomes a view of the bucket anyway: "
+            "the next step's collective overwrites gradients the user still holds",
+        tests=[K + "test_without_bucket_view_grads_are_private_copies"],
+    ),
+    dict(
+        id="timeout-ignored-in-wait",
+        file=REDUCER_CPP,
+        edits=[("    collective->wait(options_.timeout);\n  } catch (const std::exception& e) {\n"
+                "    wait_for_launched_quietly();\n    TORCH_CHECK(false, \"FusedReducer: all-reduce of bucket \"",
+                "    collective->wait(std::chrono::minutes(10));\n  } catch (const std::exception& e) {\n"
+                "    wait_for_launched_quietly();\n    TORCH_CHECK(false, \"FusedReducer: all-reduce of bucket \"")],
+        why="the wait for a bucket ignores timeout=: a stalled live peer is waited for 10 "
+            "minutes (the default) instead of raising after the user's timeout",
+        tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
+    ),
+    dict(
+        id="comm-hook-gets-scaled-buckets",
+        file=REDUCER_CPP,
+        edits=[("  if (comm_hook_ || (transport_->averages()",
+                "  if ((transport_->averages()")],
+        why="gradient_scale() forgets that a DDP comm hook averages itself: gradients are "
+            "divided by world_size twice",
+        tests=["tests/test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
+    ),
+    dict(
+        id="nccl-avg-not-used",
+        file=REDUCER_CPP,
+        edits=[("      bucket.collective = transport_->allreduce_average(bucket.flat);",
+                "      bucket.collective = transport_->allreduce_sum(bucket.flat);")],
+        why="the ncclAvg path: gradients are copied unscaled (gradient_scale() == 1) but summed, "
+            "not averaged. Only two or more NCCL ranks can show it: tests/test_gpu.py runs NCCL "
+            "with a world of one, where a sum is the average (an equivalent mutant there)",
+        tests=["tests/test_gpu.py::test_fused_reducer_on_nccl_matches_ddp"],
+        gpu=True,
+    ),
+
+    # -- Python: the module wrapper ------------------------------------------------------------------
+    dict(
+        id="broadcast-buffers-false-ignored",
+        file=REDUCER_PY,
+        edits=[("        return self.broadcast_buffers and self._require_forward_param_sync and any(",
+                "        return self._require_forward_param_sync and any(")],
+        why="broadcast_buffers=False is ignored: BatchNorm running stats are overwritten with "
+            "rank 0's before every forward",
+        tests=[K + "test_buffer_broadcast_rules_match_ddp"],
+    ),
+    dict(
+        id="buffers-broadcast-after-no-sync",
+        file=REDUCER_PY,
+        edits=[("        grad_sync = torch.is_grad_enabled() and self._syncing",
+                "        grad_sync = torch.is_grad_enabled()")],
+        why="DDP's rule broken: buffers are broadcast also before the forward that follows a "
+            "no_sync forward, so the running stats of a gradient-accumulation window differ "
+            "from DDP's",
+        tests=[K + "test_buffer_broadcast_rules_match_ddp"],
+    ),
+    dict(
+        id="no-sync-without-finally",
+        file=REDUCER_PY,
+        edits=[("        try:\n            yield\n        finally:\n"
+                "            self._reducer.set_sync_enabled(True)\n            self._syncing = True",
+                "        yield\n"
+                "        self._reducer.set_sync_enabled(True)\n        self._syncing = True")],
+        why="an exception inside `with model.no_sync():` leaves synchronisation off for the "
+            "rest of training (DDP restores it in a finally)",
+        tests=[K + "test_exception_inside_no_sync_leaves_sync_on"],
+    ),
+    dict(
+        id="timeout-not-passed-to-reducer",
+        file=REDUCER_PY,
+        edits=[("            self.find_unused_parameters, self._timeout_s, last_bytes,",
+                "            self.find_unused_parameters, 600.0, last_bytes,")],
+        why="timeout= reaches the transport but not the C++ reducer: its waits use the default "
+            "10 minutes",
+        tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
+    ),
+    dict(
+        id="version-counter-bumped",
+        file=REDUCER_PY,
+        edits=[("        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):",
+                "        if True:")],
+        why="the buffer broadcast before a second forward bumps the buffers' version counters: "
+            "backward of the first forward raises 'modified by an inplace operation' (DDP does "
+            "not)",
+        tests=[K + "test_two_forwards_then_backward_with_a_buffer_saved_for_backward"],
+    ),
+    dict(
+        id="pickle-keeps-process-group",
+        file=REDUCER_PY,
+        edits=[('        for transient in ("process_group", "_reducer", "_transport", "_tuner", '
+                '"_control_device",',
+                '        for transient in ("_reducer", "_transport", "_tuner", "_control_device",')],
+        why="pickling/deepcopy keeps the process group: torch.save(model) or copy.deepcopy fail "
+            "(a ProcessGroup cannot be pickled), or the copy reuses a group it does not own",
+        tests=[K + "test_pickled_and_deep_copied_models_train_like_ddp"],
+    ),
+    dict(
+        id="close-not-idempotent",
+        file=REDUCER_PY,
+        edits=[("        if transport is not None:\n            transport.close(min(self._timeout_s, 10.0))",
+                "        transport.close(min(self._timeout_s, 10.0))")],
+        why="the second close() (or the atexit/GC one after an explicit close) raises "
+            "AttributeError on the released transport",
+        tests=[K + "test_close_is_idempotent_and_final"],
+    ),
+    dict(
+        id="closed-model-reattaches",
+        file=REDUCER_PY,
+        edits=[("        self._closed = True\n        reducer, transport =",
+                "        reducer, transport =")],
+        why="a closed model silently re-attaches at the next forward (as after unpickling) "
+            "instead of refusing: close() is not final",
+        tests=[K + "test_close_is_idempotent_and_final"],
+    ),
+    dict(
+        id="trace-steps-not-shrinking",
+        file=REDUCER_PY,
+        edits=[("        if self._reducer is not None:\n            self._reducer.set_trace_capacity(steps)",
+                "        pass")],
+        why="setting trace_steps does not reach the C++ ring: step_history() keeps growing to "
+            "the old capacity",
+        tests=[K + "test_trace_steps_bounds_the_step_history"],
+    ),
+    dict(
+        id="join-divide-by-initial-ignored",
+        file=REDUCER_PY,
+        edits=[("        elif self._divide_by_initial_world_size:",
+                "        elif True:")],
+        why="join(divide_by_initial_world_size=False) still divides by the initial world size: "
+            "after a rank joined, the others' gradients are too small",
+        tests=["tests/test_dropin_join.py::test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp"],
+    ),
+    dict(
+        id="env-overrides-set-default",
+        file="python/fused_reducer/settings.py",
+        edits=[("    if _default_first_bucket_bytes is not None:\n"
+                "        return _default_first_bucket_bytes\n"
+                "    raw = os.environ.get(ENV_FIRST_BUCKET_BYTES)\n",
+                "    raw = os.environ.get(ENV_FIRST_BUCKET_BYTES)\n"
+                "    if _default_first_bucket_bytes is not None and not raw:\n"
+                "        return _default_first_bucket_bytes\n")],
+        why="FUSED_REDUCER_FIRST_BUCKET_BYTES in the environment overrides an explicit "
+            "set_default_first_bucket_bytes() call",
+        tests=[K + "test_set_default_first_bucket_bytes_wins_over_the_environment"],
+    ),
+    dict(
+        id="join-skips-unused-map",
+        file="python/fused_reducer/join.py",
+        edits=[("        if model.find_unused_parameters:\n            unused_map = torch.zeros(",
+                "        if False:\n            unused_map = torch.zeros(")],
+        why="a joined rank does not shadow the unused-parameter all-reduce of "
+            "find_unused_parameters: the training ranks' map reduction pairs with the joined "
+            "rank's next collective",
+        tests=[K + "test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
+               "tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
+    ),
+    dict(
+        id="comm-hook-result-dropped",
+        file="python/fused_reducer/comm_hooks.py",
+        edits=[("            with torch.no_grad():\n                flat.copy_(result.view(-1))",
+                "            pass")],
+        why="a hook's future holding a new tensor (fp16/bf16 compression, PowerSGD) is not "
+            "copied back into the bucket: param.grad gets the unreduced local gradient",
+        tests=["tests/test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
+    ),
+    dict(
+        id="duplicate-gpu-by-index",
+        file="python/fused_reducer/transport.py",
+        edits=[("        users.setdefault((host, physical), (device, []))[1].append(rank)",
+                "        users.setdefault((host, device), (device, []))[1].append(rank)")],
+        why="the one-rank-per-GPU check compares the CUDA index instead of the physical GPU: "
+            "ranks with different CUDA_VISIBLE_DEVICES that share a GPU pass, distinct GPUs "
+            "that are both cuda:0 in their process are refused",
+        tests=["tests/test_cuda_path_cpu.py::test_shared_gpus_groups_ranks_by_host_and_physical_gpu"],
+    ),
+    dict(
+        id="autotune-plan-not-from-rank0",
+        file="python/fused_reducer/autotune.py",
+        edits=[("        plan = None\n        if self.rank == 0:\n            plan = self._rank0_plan(",
+                "        plan = None\n        if True:\n            plan = self._rank0_plan("),
+               ("        plan = box[0]\n", "        plan = plan  # this rank's own plan\n")],
+        why="every rank makes its own tuning plan from its own ready times instead of rank 0's: "
+            "ranks measure different trials (and may issue different numbers of collectives)",
+        tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
+    ),
+    dict(
+        id="autotune-step-times-not-agreed",
+        file="python/fused_reducer/autotune.py",
+        edits=[("        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)\n"
+                "        valid = ",
+                "        valid = ")],
+        why="step times are not the slowest rank's: each rank ranks candidates on its own "
+            "timings, so the ranks' decisions can differ",
+        tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
+    ),
+]
