@@ -109,8 +109,8 @@ def check_slots(rank, world_size):
     out = {}
     for channels_last in (False, True):
         for as_view in (False, True):
-            torch.manual_seed(0)
-            fr_model, ddp_model = OddConvNet(), OddConvNet()
+            fr_model = torch.manual_seed(0) and OddConvNet()
+            ddp_model = torch.manual_seed(0) and OddConvNet()  # same initial weights
             if channels_last:
                 fr_model, ddp_model = (m.to(memory_format=torch.channels_last)
                                        for m in (fr_model, ddp_model))
