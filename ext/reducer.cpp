@@ -193,18 +193,16 @@ void Reducer::install_hooks() {
 
 void Reducer::on_gradient_ready(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!sync_enabled_) {
-    // no_sync(): the gradient stays in param.grad; remember that it was used,
-    // for the find_unused_parameters map of the next synchronised step.
-    if (params_[index].grad().defined()) {
+  if (!expect_hooks_) {
+    // A backward that no synchronised FusedReducer.forward armed: a forward
+    // inside no_sync() (like DDP, whether a backward syncs is decided at its
+    // forward), the wrapped module called directly, or a second backward
+    // through one graph. Its gradients stay local; under no_sync() remember
+    // which were used, for the find_unused_parameters map of the next
+    // synchronised step.
+    if (!sync_enabled_ && params_[index].grad().defined()) {
       locally_used_[index] = 1;
     }
-    return;
-  }
-  if (!expect_hooks_) {
-    // A backward that no synchronised FusedReducer.forward armed (the wrapped
-    // module called directly, or a second backward through one graph): like
-    // DDP, its gradients stay local.
     return;
   }
   TORCH_CHECK(!ready_[index],
