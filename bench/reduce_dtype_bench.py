@@ -213,10 +213,11 @@ def worker(ctx, args):
         common.print0(ctx, f"# {name}: same buckets as DDP (bytes halved): "
                            f"{layout['same_buckets']} (DDP {layout['ddp_bucket_bytes']}, "
                            f"fused {layout['fused_bucket_bytes']})")
-    if args.json and ctx.rank == 0:
+    if args.json:
         meta = common.collect_meta(ctx, extra={"reduce_dtype": str(args.reduce_dtype),
-                                               "steps": args.steps})
-        common.write_json(args.json, {"meta": meta, "rows": all_rows, "layouts": layouts})
+                                               "steps": args.steps})  # collective
+        if ctx.rank == 0:
+            common.write_json(args.json, {"meta": meta, "rows": all_rows, "layouts": layouts})
     return 0
 
 

@@ -2,7 +2,8 @@
 //
 //   autograd hook (on_gradient_ready)      one parameter's gradient is final
 //     -> bucket complete (launch_ready_buckets)
-//        pack_bucket: grads -> flat buffer, scaled by 1/world_size
+//        pack_bucket: grads -> flat buffer, scaled by 1/world_size (and cast
+//                     to the reduce dtype: Note [Reduce dtype])
 //        transport_->allreduce_sum(flat)    in flight while backward goes on
 //   end of backward (finalize_backward)
 //     -> wait for every bucket, unpack_bucket: flat -> param.grad

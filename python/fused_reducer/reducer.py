@@ -421,7 +421,8 @@ class FusedReducer(nn.Module, Joinable):
         return [[self._param_names[i] for i in bucket] for bucket in self._reducer.bucket_params()]
 
     def stats(self):
-        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits;
+        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits,
+        reduce_dtype (of the layout in force: str(torch.dtype) or None);
         telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
         ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
         first gradient), overlap, exposed_wait_us, backward_end_us."""
