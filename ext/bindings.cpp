@@ -204,6 +204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Per bucket in launch order: (zeros like the flat buffer, its views, parameter "
            "indices, is_last), for a joined rank to shadow the others' reduction.")
       .def("note_shadowed_step", &Reducer::note_shadowed_step)
+      .def("joined_used_map", &Reducer::joined_used_map,
+           "find_unused_parameters: the used map a joined rank all-reduces (in place), as DDP")
       .def("bucket_numels", &Reducer::bucket_numels)
       .def("request_rebuild", &Reducer::request_rebuild)
       .def_property("first_bucket_bytes", &Reducer::first_bucket_bytes,

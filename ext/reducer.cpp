@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cmath>
@@ -227,6 +229,9 @@ void Reducer::on_gradient_ready(int64_t index) {
   ready_[index] = 1;
   if (grad.defined()) {
     locally_used_[index] = 1;
+    if (!grad.is_cpu()) {
+      grad_stream_[index] = c10::impl::getDeviceGuardImpl(grad.device().type())->getStream(grad.device());
+    }
   }
   ready_order_.push_back(index);
   ready_time_[index] = now;
@@ -320,6 +325,7 @@ double Reducer::gradient_scale() const {
 // grads -> flat, scaled by gradient_scale() so that the sum is the average:
 // one fused copy per bucket. See Note [Bucket copies].
 void Reducer::pack_bucket(Bucket& bucket) {
+  wait_for_gradient_streams(bucket);
   const double scale = gradient_scale();
   std::vector<CopyJob> jobs;
   jobs.reserve(bucket.params.size());
@@ -329,6 +335,33 @@ void Reducer::pack_bucket(Bucket& bucket) {
     }
   }
   copy_launches_this_step_ += scaled_copy(jobs, scale);
+}
+
+// Note [Gradients from several streams]
+// A bucket is packed by the hook of its last-ready gradient, on that hook's
+// current stream; autograd runs each gradient's hook on the stream that
+// produced it, so a bucket can hold gradients from several streams (forward
+// ops issued on side streams). Packing must not read a gradient before its
+// stream has written it: for each gradient produced on another stream than the
+// packing one, an event recorded on that stream now (its work was enqueued
+// before its hook ran, hence before now) is waited for by the packing stream.
+// Recording at pack time instead of at the hook costs nothing when all
+// gradients share one stream (the common case); at worst it also waits for
+// later work of that stream: lost overlap, never a race.
+void Reducer::wait_for_gradient_streams(const Bucket& bucket) {
+  for (const int64_t index : bucket.params) {
+    const auto& produced_on = grad_stream_[index];
+    if (!produced_on) {
+      continue;
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(produced_on->device_type());
+    const c10::Stream packing = impl->getStream(produced_on->device());
+    if (packing != *produced_on) {
+      c10::Event produced(produced_on->device_type());
+      produced.record(*produced_on);
+      produced.block(packing);
+    }
+  }
 }
 
 // The copy that puts the gradient of the parameter in `slot` into the bucket.
@@ -427,6 +460,7 @@ void Reducer::finalize_backward() {
                   transport_->name(), " failed: ", e.what(), ". A peer rank may have died.");
     }
     globally_used = used.cpu();
+    used_map_ = used;
   }
   TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
 
@@ -569,6 +603,7 @@ void Reducer::prepare_forward(bool will_sync) {
 void Reducer::reset_iteration() {
   ready_.assign(params_.size(), 0);
   packed_.assign(params_.size(), 0);
+  grad_stream_.assign(params_.size(), std::nullopt);
   ready_order_.clear();
   next_to_launch_ = 0;
   next_to_unpack_ = 0;
@@ -822,6 +857,15 @@ std::vector<ZeroBucket> Reducer::zero_buckets() const {
     result.push_back(std::move(zero));
   }
   return result;
+}
+
+at::Tensor Reducer::joined_used_map() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!used_map_.defined()) {
+    used_map_ = at::zeros({static_cast<int64_t>(params_.size())},
+                          at::TensorOptions().dtype(at::kInt).device(params_.front().device()));
+  }
+  return used_map_;
 }
 
 // A joined rank shadowed one step of the others: if that was their first, they

@@ -16,6 +16,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <c10/core/Stream.h>
+
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -167,6 +169,11 @@ class Reducer {
   // and the bookkeeping of that shadowed step (the rebuild after the first).
   std::vector<ZeroBucket> zero_buckets() const;
   void note_shadowed_step();
+  // find_unused_parameters: the used-parameter map of the last synchronised
+  // step as all-reduced (zeros before the first). A joined rank all-reduces
+  // this very tensor in place each step it shadows, as DDP's join does with
+  // its local_used_map_dev_, so its last map keeps counting as "used".
+  at::Tensor joined_used_map();
 
   std::vector<int64_t> bucket_sizes() const;              // bytes (of the bucket dtype), launch order
   std::vector<int64_t> bucket_numels() const;             // elements of each flat buffer
@@ -197,6 +204,7 @@ class Reducer {
   void on_gradient_ready(int64_t index);
   void launch_ready_buckets();
   void pack_bucket(Bucket& bucket);
+  void wait_for_gradient_streams(const Bucket& bucket);
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
   void finish_bucket(size_t index, const int32_t* used, bool exposed);
@@ -251,7 +259,11 @@ class Reducer {
   // find_unused_parameters: parameters that got a defined gradient since the
   // last synchronised step, no_sync() steps included (DDP's local_used_map).
   std::vector<char> locally_used_;
+  at::Tensor used_map_;  // see joined_used_map()
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
+  // Accelerator gradients: the stream each one was produced on (its hook's
+  // current stream), see Note [Gradients from several streams].
+  std::vector<std::optional<c10::Stream>> grad_stream_;
   bool copy_at_hook_ = false;             // See Note [Copy at the hook]
   std::vector<int64_t> ready_order_;
   size_t next_to_launch_ = 0;

@@ -152,8 +152,6 @@ def test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp(outcomes)
     assert_equal_to_ddp(outcomes, "check_join_divide_by_current_world_size")
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (open): join with find_unused_parameters "
-                   "ends 0.006 away from DDP's parameters; see the session note")
 def test_join_uneven_inputs_with_find_unused_parameters_matches_ddp(outcomes):
     assert_equal_to_ddp(outcomes, "check_join_with_find_unused_parameters")
 

@@ -87,6 +87,50 @@ def test_backward_returns_before_the_gpu_drains(nccl_world_of_one):
     assert host < 0.1, f"backward() held the host {host:.3f} s while the GPU was busy"
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward keeps its stream busy ~200 ms first."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return grad
+
+
+class _TwoStreams(nn.Module):
+    """Branch `a` runs (forward, hence backward) on a side stream whose backward is slow; branch
+    `b` on the current stream. Both branches' gradients share one bucket."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.side = torch.cuda.Stream()
+
+    def forward(self, x):
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            ya = _SlowBackward.apply(self.a(x))
+        torch.cuda.current_stream().wait_stream(self.side)
+        return ya + self.b(x)
+
+
+def test_gradients_from_several_streams_are_packed_after_their_stream(nccl_world_of_one):
+    """Item 6: a bucket packed on one stream waits for gradients produced on another (at world
+    size 1 the unpack writes the packed copy back, so a pack that read early shows as wrong)."""
+    ours = fused_reducer.FusedReducer(_TwoStreams().cuda(), backend="nccl")
+    ref = _TwoStreams().cuda()
+    for step in range(3):  # first step, rebuilt layout, steady state
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for model in (ours, ref):
+            model.zero_grad()
+            model(x).square().sum().backward()
+        torch.cuda.synchronize()
+        for a, b in zip(ours.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_close_is_bounded_and_final(nccl_world_of_one):
     ours = fused_reducer.FusedReducer(_model(), backend="nccl")
     ours(torch.randn(8, 64, device="cuda")).sum().backward()

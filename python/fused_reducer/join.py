@@ -3,7 +3,7 @@
 Ranks that ran out of inputs shadow the collectives the others still issue each step, in the
 same order: the layout broadcast of a rebuild, the buffer broadcast (from the highest rank still
 training, as DDP does), whether the step synchronises, one all-reduce of zeros per bucket (or
-the communication hook on a zero bucket), the unused-parameter map. At the end every rank takes
+the communication hook on a zero bucket), the unused-parameter map (its last one, as DDP). At the end every rank takes
 the parameters of the last rank to join. Same collectives and results as DDP's join.
 """
 import torch
@@ -36,9 +36,9 @@ class FusedReducerJoinHook(JoinHook):
         for wait in pending:
             wait()
         if model.find_unused_parameters:
-            unused_map = torch.zeros(len(model._param_names), dtype=torch.int32,
-                                     device=model.device)
-            model._transport.allreduce_sum(unused_map).wait()
+            # Not zeros: DDP's joined rank all-reduces its last used map in place (what it used
+            # last still counts as used for the others; results must equal DDP's).
+            model._transport.allreduce_sum(model._reducer.joined_used_map()).wait()
         model._reducer.note_shadowed_step()
 
     def post_hook(self, is_last_joiner):
