@@ -3,6 +3,10 @@ against a per-tensor torch.Tensor.copy_ loop (DDP's way: one launch per paramete
 large device-to-device copy of the same bytes (the ceiling).
 
     python bench/copy_bench.py [--tensors 64] [--sizes 1M,16M,64M,256M] [--iters 50] [--json F]
+    python bench/copy_bench.py --dtype float32 --to-dtype bfloat16   # the reduce_dtype cast-copy
+
+With --to-dtype the bucket has another dtype than the gradients (reduce_dtype): the fused copy
+casts and scales in one pass; the D2D ceiling is then a byte copy moving the same total bytes.
 
 Bandwidth counts bytes read + bytes written, timed with CUDA events over --iters back-to-back
 copies after --warmup; the median of 5 repeats is reported. Needs a GPU and a CUDA build.
@@ -43,6 +47,8 @@ def main():
     ap.add_argument("--sizes", default="1M,16M,64M,256M", help="bucket sizes in bytes (K/M/G suffixes)")
     ap.add_argument("--tensors", type=int, default=64, help="gradients per bucket (sizes vary +-50%%)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    ap.add_argument("--to-dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"],
+                    help="bucket dtype (default: --dtype): a cast-copy, as with reduce_dtype")
     ap.add_argument("--iters", type=int, default=50, help="timed copies per sample")
     ap.add_argument("--warmup", type=int, default=5, help="untimed copies first")
     ap.add_argument("--json", help="write the rows here")
@@ -50,19 +56,23 @@ def main():
     if not torch.cuda.is_available() or not fused_reducer.build_info()["cuda"]:
         raise SystemExit("copy_bench needs a CUDA GPU and a CUDA build of fused_reducer")
     dtype = getattr(torch, args.dtype)
+    to_dtype = getattr(torch, args.to_dtype or args.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    to_itemsize = torch.empty((), dtype=to_dtype).element_size()
     g = torch.Generator().manual_seed(0)
     rows = []
-    print(f"# {torch.cuda.get_device_name()}  dtype {args.dtype}  {args.tensors} tensors per bucket")
+    print(f"# {torch.cuda.get_device_name()}  dtype {args.dtype} -> {to_dtype}  {args.tensors} tensors "
+          "per bucket")
     print(f"# {'bucket':>10} {'fused GB/s':>11} {'copy_ GB/s':>11} {'D2D GB/s':>10} {'fused/D2D':>10}")
     for total in [parse_size(s) for s in args.sizes.split(",")]:
         weights = torch.rand(args.tensors, generator=g) + 0.5
         numels = (weights / weights.sum() * total / itemsize).long().clamp(min=1).tolist()
         srcs = [torch.randn(n, device="cuda").to(dtype) for n in numels]
-        flat = torch.empty(sum(numels), device="cuda", dtype=dtype)
+        flat = torch.empty(sum(numels), device="cuda", dtype=to_dtype)
         dsts = list(flat.split(numels))
-        big_src = torch.randn(sum(numels), device="cuda").to(dtype)
-        moved = 2 * flat.numel() * itemsize  # read + write
+        moved = flat.numel() * (itemsize + to_itemsize)  # read + write
+        big_src = torch.empty(moved // 2, device="cuda", dtype=torch.uint8)  # the same bytes moved
+        big_dst = torch.empty_like(big_src)
 
         def fused():
             _C.scaled_copy(srcs, dsts, 0.5)
@@ -72,12 +82,13 @@ def main():
                 d.copy_(s)
 
         def d2d():
-            flat.copy_(big_src)
+            big_dst.copy_(big_src)
 
         times = {name: time_ms(fn, args.iters, args.warmup)
                  for name, fn in [("fused", fused), ("copy_", per_tensor), ("d2d", d2d)]}
         gbps = {k: moved / (v * 1e-3) / 1e9 for k, v in times.items()}
         rows.append({"bytes": flat.numel() * itemsize, "tensors": args.tensors, "dtype": args.dtype,
+                     "to_dtype": str(to_dtype).replace("torch.", ""),
                      **{f"{k}_GBps": v for k, v in gbps.items()},
                      "fused_over_d2d": gbps["fused"] / gbps["d2d"]})
         print(f"  {rows[-1]['bytes']:>10} {gbps['fused']:>11.1f} {gbps['copy_']:>11.1f} "

@@ -59,6 +59,10 @@ stage gpu_tests 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests
 stage copy_bench 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --json "$OUT/copy.json"
 stage copy_bench_bf16 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --dtype bfloat16 \
   --json "$OUT/copy_bf16.json"
+stage copy_bench_cast 120 $PY bench/copy_bench.py --sizes 16M,64M,256M --dtype float32 \
+  --to-dtype bfloat16 --json "$OUT/copy_fp32_to_bf16.json"
+stage copy_bench_cast_back 120 $PY bench/copy_bench.py --sizes 16M,64M,256M --dtype bfloat16 \
+  --to-dtype float32 --json "$OUT/copy_bf16_to_fp32.json"
 stage allreduce_bw 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
   bench/allreduce_bw.py -b 1M -e 256M -f 4 -n 20 -w 5 --impl fused,torch,cupy \
   --json "$OUT/allreduce_bw.json" --plot "$OUT/allreduce_bw.png"
@@ -70,12 +74,14 @@ $PY - "$OUT" "${failed[*]:-}" <<'PYEOF'
 import json, os, sys
 out, failed = sys.argv[1], sys.argv[2].split()
 print(f"{'check':<48} {'result':>20}")
-for name in ("build", "gpu_tests", "copy_bench", "copy_bench_bf16", "allreduce_bw", "step_bench"):
+for name in ("build", "gpu_tests", "copy_bench", "copy_bench_bf16", "copy_bench_cast",
+             "copy_bench_cast_back", "allreduce_bw", "step_bench"):
     print(f"{name:<48} {'FAILED' if name in failed else 'ok':>20}")
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-for name, dtype in (("copy.json", "fp32"), ("copy_bf16.json", "bf16")):
+for name, dtype in (("copy.json", "fp32"), ("copy_bf16.json", "bf16"),
+                    ("copy_fp32_to_bf16.json", "fp32->bf16"), ("copy_bf16_to_fp32.json", "bf16->fp32")):
     for row in (load(name) or {}).get("rows", []):
         label = f"copy fused/D2D {dtype} at {row['bytes'] >> 20} MiB"
         print(f"{label:<48} {row['fused_over_d2d']:>20.2f}")
@@ -88,6 +94,9 @@ if bw:
 for row in (load("step.json") or {}).get("rows", []):
     if row["impl"] == "fused":
         print(f"{'step time ' + row['model'] + ' FusedReducer/DDP':<48} {row['ratio_to_ddp']:>20.3f}")
+    if row["impl"] in ("fused", "ddp"):
+        label = f"backward() host ms {row['model']} {row['impl']} (step {row['median_ms']:.1f})"
+        print(f"{label:<48} {row['backward_host_ms']:>20.2f}")
 PYEOF
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: FAILED stages: ${failed[*]}"

@@ -28,8 +28,11 @@ index):
 
 One step = zero_grad + forward + loss + backward (no optimizer: the weights stay identical,
 so the gradients of the two wrappers can be compared, and the optimizer would cost both the
-same). A step's time is the slowest rank's wall time for it (device synchronised on GPU); the
-median and p90 are over the timed steps.
+same). A step's time is the slowest rank's wall time for it (device synchronised on GPU, before
+and after the step only); the median and p90 are over the timed steps. "bwd host" is the host
+time loss.backward() itself takes (slowest rank, median): on GPU, how long backward holds the CPU
+before it can queue the optimizer and the next forward; a reducer that waits on the host for its
+all-reduces shows it here even when the step time hides it.
 
 Same settings: DDP gets its first bucket from torch.distributed._DEFAULT_FIRST_BUCKET_BYTES and
 its cap from torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB, both set just before it is
@@ -109,10 +112,32 @@ def make_ddp(module, ctx, first_mb, cap_mb, grad_as_view):
         ddp_module._DEFAULT_BUCKET_CAP_MB = saved_cap
 
 
-def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False):
+def make_ddp_hook(module, ctx, first_mb, cap_mb, grad_as_view, reduce_dtype):
+    """DDP as make_ddp plus its compress hook for `reduce_dtype` (bf16/fp16_compress_hook): the
+    DDP way to all-reduce fp32 gradients in half precision."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    ddp = make_ddp(module, ctx, first_mb, cap_mb, grad_as_view)
+    hook = dh.bf16_compress_hook if reduce_dtype == torch.bfloat16 else dh.fp16_compress_hook
+    ddp.register_comm_hook(dist.group.WORLD, hook)
+    return ddp
+
+
+def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False, reduce_dtype=None):
+    """FusedReducer with DDP's limits. With a 2-byte reduce_dtype the limits count bytes of the
+    reduce dtype (Note [Reduce dtype]), so they are halved: the same parameters per bucket as
+    DDP's fp32 buckets."""
     from fused_reducer import FusedReducer
-    return FusedReducer(module, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
-                        gradient_as_bucket_view=grad_as_view, autotune=autotune)
+    factor = 0.5 if reduce_dtype in (torch.bfloat16, torch.float16) else 1.0
+    return FusedReducer(module, bucket_cap_mb=cap_mb * factor, first_bucket_mb=first_mb * factor,
+                        gradient_as_bucket_view=grad_as_view, autotune=autotune,
+                        reduce_dtype=reduce_dtype)
+
+
+def fused_bytes_as_fp32(fused, reduce_dtype):
+    """FusedReducer's bucket sizes in bytes of fp32 gradients (comparable with DDP's): with a
+    2-byte reduce dtype its buckets hold half the bytes."""
+    factor = 2 if reduce_dtype in (torch.bfloat16, torch.float16) else 1
+    return [b * factor for b in fused.bucket_sizes()]
 
 
 def ddp_layout(ddp):
@@ -123,17 +148,22 @@ def ddp_layout(ddp):
 
 # -- one step -----------------------------------------------------------------------------------
 def train_step(ctx, model, x, grad_as_view):
+    """One step; returns the host time backward() took (ms): on GPU, how long the CPU is held
+    before it can queue the optimizer and the next forward (no device sync inside)."""
     model.zero_grad(set_to_none=not grad_as_view)
     loss = model(x).float().pow(2).mean()
+    start = time.perf_counter()
     loss.backward()
+    return (time.perf_counter() - start) * 1e3
 
 
 def timed_step(ctx, model, x, grad_as_view):
+    """(step ms, backward() host ms); the device is synchronised only around the whole step."""
     ctx.sync()
     start = time.perf_counter()
-    train_step(ctx, model, x, grad_as_view)
+    backward_ms = train_step(ctx, model, x, grad_as_view)
     ctx.sync()
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - start) * 1e3, backward_ms
 
 
 class LastGradClock:
@@ -276,16 +306,24 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     """DDP and FusedReducer (and the A/A twin, the tuned FusedReducer, the baseline) on one
     (model, first, cap), interleaved: per-rank measurements."""
     gv = args.grad_as_bucket_view
+    rd = args.reduce_dtype
     ddp = make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)
-    fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv)
+    fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, reduce_dtype=rd)
     variants = [("ddp", ddp), ("fused", fused)]
+    # With --reduce-dtype, FusedReducer's gradients are compared with DDP + compress hook's.
+    twin = ddp
+    if rd is not None:
+        twin = make_ddp_hook(spec.build(ctx.device), ctx, first_mb, cap_mb, gv, rd)
+        variants.append(("ddp_hook", twin))
     if args.aa == "ddp":  # A/A: a second, identical DDP, timed the same way (the noise band)
         variants.append(("ddp_aa", make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)))
     elif args.aa == "fused":
-        variants.append(("fused_aa", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv)))
+        variants.append(("fused_aa", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv,
+                                                reduce_dtype=rd)))
     tuned = None
     if args.autotune:  # starts from the same limits, then picks its own
-        tuned = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, autotune=True)
+        tuned = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, autotune=True,
+                           reduce_dtype=rd)
         variants.append(("tuned", tuned))
     if args.baseline:
         variants.append(("local", spec.build(ctx.device)))
@@ -318,11 +356,11 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
 
     # Same weights, same input -> the averaged gradients must agree.
     x = next_input()
-    train_step(ctx, ddp, x, gv)
+    train_step(ctx, twin, x, gv)
     train_step(ctx, fused, x, gv)
     diff = 0.0
     scale = 0.0
-    for a, b in zip(ddp.module.parameters(), fused.module.parameters()):
+    for a, b in zip(twin.module.parameters(), fused.module.parameters()):
         diff = max(diff, (a.grad - b.grad).abs().max().item())
         scale = max(scale, a.grad.abs().max().item())
 
@@ -332,13 +370,16 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         if name in FUSED_KINDS:
             model.trace_steps = max(model.trace_steps, args.steps)
     times = {name: [] for name, _ in variants}
+    backward_host = {name: [] for name, _ in variants}
     done, rnd = 0, 0
     while done < args.steps:
         block = min(args.block, args.steps - done)
         inputs = [next_input() for _ in range(block)]
         for name, model in round_order(variants, rnd):
             for x in inputs:
-                times[name].append(timed_step(ctx, model, x, gv))
+                step_ms, backward_ms = timed_step(ctx, model, x, gv)
+                times[name].append(step_ms)
+                backward_host[name].append(backward_ms)
         done += block
         rnd += 1
         progress(f"{label}: timed step {done}/{args.steps}")
@@ -359,10 +400,11 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         collectives[name] = count_collectives(ctx, model, next_input(), gv)
     progress(f"{label}: probes done", force=True)
 
-    result = {"times": times, "exposed": exposed, "collectives": collectives,
+    result = {"times": times, "backward_host": backward_host, "exposed": exposed, "collectives": collectives,
               "telemetry": telemetry,
               "grad_max_abs_diff": diff, "grad_max_abs": scale,
-              "ddp_buckets": ddp_layout(ddp), "fused_buckets": fused.bucket_sizes(),
+              "ddp_buckets": ddp_layout(ddp),
+              "fused_buckets": fused_bytes_as_fp32(fused, rd),
               "fused_stats": fused.stats(),
               "fr_stats": {name: model.stats() for name, model in variants if name in FUSED_KINDS},
               "fr_buckets": {name: model.bucket_sizes() for name, model in variants
@@ -466,6 +508,8 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
     rows = {}
     for name in names:
         steps = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+        backward_host = [max(r["backward_host"][name][i] for r in per_rank)
+                         for i in range(len(steps))]
         exposed = [min(r["exposed"][name][i] for r in per_rank)
                    for i in range(len(per_rank[0]["exposed"][name]))]
         count, nbytes, how = per_rank[0]["collectives"][name]
@@ -473,6 +517,9 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
         stats = per_rank[0]["fr_stats"].get(name)
         if nbytes is None and stats is not None:
             nbytes, bytes_source = stats["allreduce_bytes"], "FusedReducer.stats()"
+        elif nbytes is None and name == "ddp_hook":
+            nbytes = (sum(per_rank[0]["ddp_buckets"]) // 2) or None
+            bytes_source = "DDP bucket sizes / 2 (compress hook)"
         elif nbytes is None and name.startswith("ddp"):
             nbytes, bytes_source = sum(per_rank[0]["ddp_buckets"]) or None, "DDP bucket sizes"
         elif name == "local":
@@ -483,6 +530,7 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
             "params": spec_info["params"], "tensors": spec_info["tensors"],
             "median_ms": common.median(steps), "p90_ms": common.percentile(steps, 90),
             "mean_ms": sum(steps) / len(steps), "min_ms": min(steps),
+            "backward_host_ms": common.median(backward_host),
             "collectives_per_step": count, "collectives_source": how,
             "bytes_per_step": nbytes, "bytes_source": bytes_source,
             "exposed_comm_ms": common.median(exposed) if exposed else None,
@@ -501,6 +549,10 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
         rows[name] = row
     ddp = rows["ddp"]
     for row in rows.values():
+        if "ddp_hook" in rows:
+            row["ratio_to_ddp_hook"] = row["median_ms"] / rows["ddp_hook"]["median_ms"]
+            row["ratio_to_ddp_hook_ci90"] = ratio_ci(row["step_times_ms"],
+                                                     rows["ddp_hook"]["step_times_ms"])
         row["ratio_to_ddp"] = row["median_ms"] / ddp["median_ms"]
         row["p90_ratio_to_ddp"] = row["p90_ms"] / ddp["p90_ms"]
         row["ratio_ci90"] = ratio_ci(row["step_times_ms"], ddp["step_times_ms"])
@@ -522,15 +574,16 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
 
 # -- output -------------------------------------------------------------------------------------
 TABLE_HEAD = (
-    "#  first     cap  impl       median      p90  colls    MB/step  exposed   ratio  buckets\n"
-    "#  (MiB)   (MiB)               (ms)     (ms)  /step    (1e6 B)     (ms)    /DDP")
+    "#  first     cap  impl       median      p90  bwd host  colls    MB/step  exposed   ratio  buckets\n"
+    "#  (MiB)   (MiB)               (ms)     (ms)      (ms)  /step    (1e6 B)     (ms)    /DDP")
 
 
 def format_row(row):
     mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
     buckets = len(row.get("bucket_sizes") or []) or "-"
     return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<8}"
-            f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}  {row['collectives_per_step']:5d}"
+            f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}{row['backward_host_ms']:10.2f}"
+            f"  {row['collectives_per_step']:5d}"
             f"  {mb:>9}  {row['exposed_comm_ms']:7.2f}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
 
 
@@ -604,7 +657,10 @@ def worker(ctx, args):
         "probe_steps": args.probe_steps, "block": args.block, "seed": args.seed,
         "gradient_as_bucket_view": args.grad_as_bucket_view, "aa": args.aa,
         "autotune": args.autotune,
+        "reduce_dtype": str(args.reduce_dtype) if args.reduce_dtype is not None else None,
         "step": "zero_grad + forward + loss + backward; slowest rank per step",
+        "backward_host": ("host time inside loss.backward() (no device sync in it); slowest rank "
+                          "per step, median"),
         "exposed_comm": ("last post-accumulate-grad hook -> backward() returns; min over ranks per "
                          "probe step, median over probe steps")})
     p = lambda *a: common.print0(ctx, *a)  # noqa: E731
@@ -639,8 +695,11 @@ def worker(ctx, args):
                     p(format_row(row))
                 fused = next(r for r in config_rows if r["impl"] == "fused")
                 rel = fused["grad_max_abs_diff"] / max(fused["grad_max_abs"], 1e-30)
-                p(f"#   grads DDP vs FusedReducer: max abs diff {fused['grad_max_abs_diff']:.2e} "
-                  f"(relative {rel:.1e}{', MISMATCH' if rel > 1e-4 else ''}); layouts "
+                # half-precision all-reduces: DDP + compress hook and FusedReducer round alike
+                # at 2 ranks; other world sizes divide before/after the cast (bf16 rounding)
+                twin, limit = ("DDP+hook", 1e-2) if args.reduce_dtype is not None else ("DDP", 1e-4)
+                p(f"#   grads {twin} vs FusedReducer: max abs diff {fused['grad_max_abs_diff']:.2e} "
+                  f"(relative {rel:.1e}{', MISMATCH' if rel > limit else ''}); layouts "
                   + ("match" if fused["layout_match"] else
                      f"DIFFER: DDP {next(r for r in config_rows if r['impl'] == 'ddp')['bucket_sizes']} "
                      f"vs fused {fused['bucket_sizes']}"))
@@ -658,6 +717,12 @@ def worker(ctx, args):
                     aa = (f" (A/A {f['aa']} {f['aa_ratio']:.3f})" if "aa_ratio" in f else "")
                     p(f"# ratio FusedReducer/DDP median step, {info['model']} (first {first_mb:g}, "
                       f"cap {cap_mb:g} MiB): {f['ratio_to_ddp']:.3f}{aa}")
+                    if "ratio_to_ddp_hook" in f:
+                        lo, hi = f["ratio_to_ddp_hook_ci90"]
+                        p(f"# ratio FusedReducer({args.reduce_dtype})/DDP+compress hook median step, "
+                          f"{info['model']}: {f['ratio_to_ddp_hook']:.3f} (90% interval "
+                          f"{lo:.3f}-{hi:.3f}); all-reduce bytes per step: FusedReducer "
+                          f"{fused_mb(f)} MB, DDP fp32 {fused_mb(ddp_row(rows, f))} MB")
                 tr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "tuned"
                       and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
                 if tr:
@@ -667,7 +732,8 @@ def worker(ctx, args):
         if len(fused_rows) > 1:
             gm = math.exp(sum(math.log(r["ratio_to_ddp"]) for r in fused_rows) / len(fused_rows))
             p(f"# geometric mean of FusedReducer/DDP over {len(fused_rows)} configurations: {gm:.3f}")
-        settings = {k: v for k, v in vars(args).items() if k != "corrupt"}
+        settings = {k: (str(v) if isinstance(v, torch.dtype) else v)
+                    for k, v in vars(args).items() if k != "corrupt"}
         if args.json:
             common.write_json(args.json, {"meta": meta, "settings": settings, "models": models_info,
                                           "grid": {"first_bucket_mb": firsts, "bucket_cap_mb": caps},
@@ -680,6 +746,16 @@ def worker(ctx, args):
             heatmap(plot_path, rows, meta, firsts, caps, [s.name for s in specs])
             p(f"# wrote {plot_path}")
     return 0
+
+
+def fused_mb(row):
+    return "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
+
+
+def ddp_row(rows, like):
+    return next(r for r in rows if r["impl"] == "ddp" and r["model"] == like["model"]
+                and r["first_bucket_mb"] == like["first_bucket_mb"]
+                and r["bucket_cap_mb"] == like["bucket_cap_mb"])
 
 
 def describe_config(config_rows):
@@ -726,6 +802,14 @@ def _models(text):
             f"--model takes a comma list of {', '.join(MODELS)} or of the sets "
             f"{', '.join(zoo.ALIASES)}; got {text!r}")
     return names
+
+
+def _reduce_dtype(text):
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+              "fp16": torch.float16, "float16": torch.float16}
+    if text not in dtypes:
+        raise argparse.ArgumentTypeError(f"--reduce-dtype {text!r}: use bf16 or fp16")
+    return dtypes[text]
 
 
 def _positive_int(text):
@@ -782,6 +866,10 @@ def build_parser():
     b.add_argument("--sweep-cap", type=common.parse_float_list, default=None, metavar="MiB,...",
                    help="grid of bucket caps (replaces --bucket-cap-mb), e.g. 5,25,100; every "
                         "(first, cap) pair of the two grids is a configuration")
+    b.add_argument("--reduce-dtype", type=_reduce_dtype, default=None, metavar="bf16|fp16",
+                   help="FusedReducer(reduce_dtype=...) with its limits halved (the same "
+                        "parameters per bucket), next to DDP + bf16/fp16_compress_hook ('ddp_hook', "
+                        "same limits) and plain fp32 DDP; gradients are compared with the hook's")
     b.add_argument("--grad-as-bucket-view", action="store_true",
                    help="gradient_as_bucket_view=True for both wrappers")
     r = parser.add_argument_group("measurement")
