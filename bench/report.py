@@ -15,7 +15,7 @@ import statistics
 
 IMPL_NAMES = {"ddp": "DDP", "fused": "FusedReducer", "ddp_aa": "DDP (A/A twin)",
               "fused_aa": "FusedReducer (A/A twin)", "tuned": "FusedReducer autotune",
-              "local": "no wrapper"}
+              "local": "no wrapper", "ddp_hook": "DDP + compress hook"}
 
 
 def step_table(data):
@@ -30,7 +30,11 @@ def step_table(data):
         lines.append(f"| {r['model']} | {r['first_bucket_mb']:g} / {r['bucket_cap_mb']:g} | "
                      f"{IMPL_NAMES.get(r['impl'], r['impl'])} | {r['median_ms']:.1f} | "
                      f"{r['p90_ms']:.1f} | {r['collectives_per_step']} | {mb} | "
-                     f"{r['exposed_comm_ms']:.1f} | **{r['ratio_to_ddp']:.3f}** |")
+                     f"{r['exposed_comm_ms']:.1f} | **{r['ratio_to_ddp']:.3f}** |"
+                     + (f" {r['ratio_to_ddp_hook']:.3f} |" if "ratio_to_ddp_hook" in r else ""))
+    if any("ratio_to_ddp_hook" in r for r in data["rows"]):  # --reduce-dtype runs
+        lines[2] += " median / DDP+hook |"
+        lines[3] += "---|"
     return "\n".join(lines)
 
 
@@ -131,6 +135,33 @@ def summary_table(datas, impl="fused", targets=False):
     return "\n".join(lines)
 
 
+def step_bars(datas, path):
+    """Grouped bars: per model, each wrapper's median step (ms) with its p90 as a whisker."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for d in datas for r in d["rows"]]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(models), 3.6))
+    for k, impl in enumerate(impls):
+        got = {r["model"]: r for r in rows if r["impl"] == impl}
+        xs = [i + (k - (len(impls) - 1) / 2) * width for i, m in enumerate(models) if m in got]
+        med = [got[m]["median_ms"] for m in models if m in got]
+        p90 = [got[m]["p90_ms"] - got[m]["median_ms"] for m in models if m in got]
+        ax.bar(xs, med, width, yerr=[[0] * len(p90), p90], capsize=2,
+               label=IMPL_NAMES.get(impl, impl))
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("median step (ms; whisker: p90)")
+    meta = datas[0]["meta"]
+    ax.set_title(f"{meta.get('command', 'step_bench')[:90]}\n{meta['date'][:10]}, world "
+                 f"{meta['world_size']} {meta['backend']}", fontsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="report.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,8 +173,13 @@ def main(argv=None):
                              "FusedReducer (tuned) with DDP")
     parser.add_argument("--targets", action="store_true",
                         help="with --summary: add the issue-10 acceptance checks")
+    parser.add_argument("--bars", metavar="FILE.png",
+                        help="also a bar chart of median step time per model and wrapper (the "
+                             "step_bench JSON files given), e.g. of a --reduce-dtype run")
     args = parser.parse_args(argv)
     datas = [json.load(open(p)) for p in args.paths]
+    if args.bars:
+        step_bars([d for d in datas if d["meta"].get("benchmark") == "step_bench"], args.bars)
     if args.summary:
         print(summary_table(datas, args.impl, args.targets))
         return 0

@@ -93,7 +93,7 @@ MUTATIONS = [
     dict(
         id="used-map-forgets-no-sync",
         file=REDUCER_CPP,
-        edits=[("    if (params_[index].grad().defined()) {\n"
+        edits=[("    if (!sync_enabled_ && params_[index].grad().defined()) {\n"
                 "      locally_used_[index] = 1;\n"
                 "    }\n"
                 "    return;",
@@ -318,13 +318,43 @@ MUTATIONS = [
     dict(
         id="join-skips-unused-map",
         file="python/fused_reducer/join.py",
-        edits=[("        if model.find_unused_parameters:\n            unused_map = torch.zeros(",
-                "        if False:\n            unused_map = torch.zeros(")],
+        edits=[("        if model.find_unused_parameters:\n            # Not zeros",
+                "        if False:\n            # Not zeros")],
         why="a joined rank does not shadow the unused-parameter all-reduce of "
             "find_unused_parameters: the training ranks' map reduction pairs with the joined "
             "rank's next collective",
         tests=[K + "test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
                "tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
+    ),
+    dict(
+        id="join-used-map-zeros",
+        file=REDUCER_CPP,
+        edits=[("    globally_used = used.cpu();\n    used_map_ = used;",
+                "    globally_used = used.cpu();")],
+        why="a joined rank all-reduces zeros as its used-parameter map, where DDP's joined rank "
+            "all-reduces its last one: a parameter the joined rank used last counts as unused "
+            "for the others, gets no gradient, and momentum makes the parameters leave DDP's",
+        tests=["tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
+    ),
+    dict(
+        id="reduce-dtype-not-from-rank0",
+        file=REDUCER_CPP,
+        edits=[("  options_.reduce_dtype = data[3] == kNoReduceDtype\n",
+                "  (void)(data[3] == kNoReduceDtype\n"),
+               ("                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3]));",
+                "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3])));")],
+        why="the reduce dtype does not travel with rank 0's layout: ranks that set different "
+            "reduce dtypes all-reduce buckets of different dtypes (garbage or a gloo error)",
+        tests=["tests/test_reduce_dtype.py::test_property_semantics"],
+    ),
+    dict(
+        id="reduce-dtype-ignored-by-bucket",
+        file=REDUCER_CPP,
+        edits=[("  if (options_.reduce_dtype && at::isFloatingType(type)) {",
+                "  if (false && options_.reduce_dtype && at::isFloatingType(type)) {")],
+        why="reduce_dtype is accepted but buckets keep the gradients' dtype: fp32 bytes on the "
+            "wire where the user asked for half, silently",
+        tests=["tests/test_reduce_dtype.py::test_allreduce_bytes_exactly_half"],
     ),
     dict(
         id="comm-hook-result-dropped",

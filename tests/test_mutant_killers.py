@@ -875,6 +875,9 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
         def note_shadowed_step(self):
             calls.append(("note_shadowed_step",))
 
+        def joined_used_map(self):
+            return torch.ones(3, dtype=torch.int32)
+
     for find_unused in (False, True):
         calls.clear()
         model = SimpleNamespace(
