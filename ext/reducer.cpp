@@ -593,7 +593,9 @@ void Reducer::prepare_forward(bool will_sync) {
     wait_for_launched_quietly();
     callback_queued_ = false;
   }
-  if (rebuild_pending_ && !last_ready_order_.empty()) {
+  if (rebuild_pending_) {
+    // Limits set before the first step apply to it (no order observed yet:
+    // reverse registration order, like the initial layout).
     rebuild_from_rank0();
   }
   reset_iteration();

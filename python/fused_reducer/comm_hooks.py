@@ -17,7 +17,9 @@ class GradBucket:
         self._index = index
         self._is_last = is_last
         self._buffer = buffer
-        self._gradients = gradients
+        # (offset, numel, shape) of each parameter's slot in the buffer
+        self._slots = [(g.storage_offset() - buffer.storage_offset(), g.numel(), g.shape)
+                       for g in gradients]
         self._parameters = parameters
 
     def index(self):
@@ -31,8 +33,12 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self):
-        """Views of the buffer, one per parameter, shaped (and strided) like it."""
-        return self._gradients
+        """Views of the buffer, one per parameter, as DDP's ``GradBucket.gradients()``: the
+        parameter's slice of the buffer viewed with its shape, contiguously (for a channels_last
+        slot the elements are in the slot's memory order, as in DDP), so hooks that reshape
+        them (PowerSGD's ``tensor.view(n, -1)``) work on every memory format."""
+        return [self._buffer.narrow(0, offset, numel).view(shape)
+                for offset, numel, shape in self._slots]
 
     def parameters(self):
         return self._parameters

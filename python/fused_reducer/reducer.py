@@ -127,7 +127,9 @@ class FusedReducer(nn.Module, Joinable):
             check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
         self._control_device = _control_device(nccl_group, self.device)
         _verify_same_model(self.process_group, self._param_names, params, self._control_device)
-        self._broadcast(params + list(self.module.buffers()), 0)
+        # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
+        # (rank-local buffers stay rank-local).
+        self._broadcast(params + (list(self.module.buffers()) if self.broadcast_buffers else []), 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
         self._transport = make_transport(self.process_group, self.device, self.backend,
                                          self._timeout_s, check_devices=False)
