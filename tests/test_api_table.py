@@ -221,6 +221,7 @@ COVERAGE = {
     "two ranks on one GPU": [
         "test_cuda_path_cpu.py::test_ranks_sharing_a_gpu_are_refused_on_every_rank_naming_ranks_host_device_and_fix",
         "test_cuda_path_cpu.py::test_shared_gpus_groups_ranks_by_host_and_physical_gpu",
+        "test_gpu_ordering.py::test_fused_reducer_refuses_two_ranks_on_one_gpu_on_every_rank",
     ],
     "`bucket_cap_mb=0` or negative": [
         "test_errors.py::test_invalid_mb_sizes_raise_value_or_type_error_naming_the_argument_on_every_rank",

@@ -274,3 +274,22 @@ def two_ranks_one_gpu():
 def test_two_ranks_on_one_gpu_over_gloo_match_ddp(two_ranks_one_gpu, check):
     for worst in per_rank(two_ranks_one_gpu, check):
         assert worst <= TOLERANCE.get(check, 1e-5), (check, worst)
+
+
+def check_two_ranks_sharing_the_gpu_over_nccl(rank, world):
+    """The README's "two ranks on one GPU" row through FusedReducer itself: an NCCL group whose
+    ranks both sit on cuda:0 is refused at construction, on every rank, before NCCL runs."""
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend="nccl")
+    try:
+        fused_reducer.FusedReducer(_model(), process_group=group)
+    except RuntimeError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_fused_reducer_refuses_two_ranks_on_one_gpu_on_every_rank():
+    outcomes = run_checks([check_two_ranks_sharing_the_gpu_over_nccl], 2, timeout=120)
+    for message in per_rank(outcomes, "check_two_ranks_sharing_the_gpu_over_nccl"):
+        assert "ranks 0 and 1 use the same GPU" in message, message
+        assert "LOCAL_RANK" in message and "CUDA_VISIBLE_DEVICES" in message, message
