@@ -198,6 +198,19 @@ def check_no_trainable_parameter_raises_runtime_error(rank, world):
     return {kind: outcome(lambda: WRAP[kind](build(Frozen))) for kind in ("ddp", "fr")}
 
 
+def check_ddp_device_arguments(rank, world):
+    """The one-line switch keeps DDP's device_ids/output_device: accepted where DDP accepts them
+    for a CPU module (None), refused with a ValueError where DDP refuses them (a GPU id)."""
+    out = {}
+    for kind in ("ddp", "fr"):
+        out[kind] = {
+            "none": outcome(lambda: type(WRAP[kind](build(Net), device_ids=None,
+                                                    output_device=None)).__name__),
+            "gpu_id_for_cpu_module": outcome(lambda: WRAP[kind](build(Net), device_ids=[0])),
+        }
+    return out
+
+
 def check_autocast_bf16_matches_ddp(rank, world):
     models = {kind: WRAP[kind](build(Net)) for kind in ("ddp", "fr")}
     opts = {kind: sgd(m) for kind, m in models.items()}
@@ -235,7 +248,7 @@ CHECKS = [check_names_match_ddp, check_checkpoint_ddp_to_fused_and_back,
           check_float64_model_cast_before_wrapping, check_module_methods_behave_as_on_ddp,
           check_pickled_copies_train_like_ddp, check_no_trainable_parameter_raises_runtime_error,
           check_autocast_bf16_matches_ddp, check_grad_clipping_sees_averaged_grads,
-          check_cast_after_wrapping_raises_or_trains_correctly]
+          check_cast_after_wrapping_raises_or_trains_correctly, check_ddp_device_arguments]
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +352,16 @@ def test_module_without_trainable_parameters_raises_runtime_error_like_ddp(outco
         assert r["ddp"][0] == "raised" and r["ddp"][3], r["ddp"]
         assert r["fr"][0] == "raised", "FusedReducer accepted a module with nothing to reduce"
         assert r["fr"][3], f"not a RuntimeError: {r['fr'][1]}: {r['fr'][2]}"
+
+
+def test_ddp_device_ids_and_output_device_are_accepted_or_refused_like_ddp(outcomes):
+    for r in per_rank(outcomes, "check_ddp_device_arguments"):
+        assert r["ddp"]["none"][0] == "ok", "DDP side changed"
+        assert r["fr"]["none"][0] == "ok", r["fr"]["none"]
+        assert r["ddp"]["gpu_id_for_cpu_module"][0] == "raised", "DDP side changed"
+        refused = r["fr"]["gpu_id_for_cpu_module"]
+        assert refused[0] == "raised" and refused[4], refused  # a ValueError, as DDP's
+        assert "device_ids=[0]" in refused[2] and "cpu" in refused[2], refused[2]
 
 
 def test_autocast_bf16_training_loop_matches_ddp(outcomes):

@@ -65,7 +65,8 @@ class FusedReducer(nn.Module, Joinable):
     def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
                  broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10),
-                 last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None):
+                 last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None,
+                 device_ids=None, output_device=None):
         super().__init__()
         Joinable.__init__(self)
         if static_graph:
@@ -102,6 +103,7 @@ class FusedReducer(nn.Module, Joinable):
             raise FusedReducerError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
                              "like DDP, each process must hold its replica on one device")
         self.device = devices.pop()
+        _check_device_ids(device_ids, output_device, self.device)
         self.backend = resolve_backend(backend, self.device)
         self._timeout_s = timeout_s
         self._limits = (first_bytes, cap_bytes, last_bytes)  # kept for re-attaching after pickling
@@ -584,6 +586,27 @@ def _control_device(nccl_group, device):
             "the model to this rank's GPU first (torch.cuda.set_device(local_rank); "
             "model.to(f'cuda:{local_rank}')), or use a gloo process group for CPU training")
     return device
+
+
+def _check_device_ids(device_ids, output_device, device):
+    """DDP's `device_ids` / `output_device`, accepted so that switching is a one-line change.
+    The device is always the parameters'; these may only confirm it (as in DDP: None for a CPU
+    module, [the module's GPU] for a single-GPU one). Outputs stay where the module puts them."""
+    def as_device(value):
+        return torch.device(device.type, value) if isinstance(value, int) else torch.device(value)
+
+    if device_ids is not None:
+        ids = list(device_ids) if isinstance(device_ids, (list, tuple)) else [device_ids]
+        if device.type == "cpu" or len(ids) != 1 or as_device(ids[0]) != device:
+            raise FusedReducerError(
+                f"FusedReducer: device_ids={device_ids!r} does not match the module, whose "
+                f"parameters are on {device}. Like DDP, pass device_ids=None for a CPU module and "
+                f"[{device.index if device.index is not None else 'local_rank'}] for a module on "
+                "one GPU, or leave it out: FusedReducer uses the parameters' device.")
+    if output_device is not None and as_device(output_device) != device:
+        raise FusedReducerError(
+            f"FusedReducer: output_device={output_device!r} differs from the parameters' device "
+            f"{device}; FusedReducer leaves outputs where the module puts them. Leave it out.")
 
 
 def _refuse_sparse_gradients(module):
