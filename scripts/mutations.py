@@ -345,7 +345,8 @@ MUTATIONS = [
                 "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3])));")],
         why="the reduce dtype does not travel with rank 0's layout: ranks that set different "
             "reduce dtypes all-reduce buckets of different dtypes (garbage or a gloo error)",
-        tests=["tests/test_reduce_dtype.py::test_property_semantics"],
+        tests=[K + "test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves",
+               "tests/test_reduce_dtype.py::test_property_semantics"],
     ),
     dict(
         id="reduce-dtype-ignored-by-bucket",

@@ -593,6 +593,26 @@ def check_layout_agreement(rank, world):
     return out
 
 
+def check_reduce_dtype_agreement(rank, world):
+    """Ranks that set different reduce dtypes all reduce rank 0's from the rebuilding forward on:
+    gathered right after that forward, before any bucket of the new layout is all-reduced (a
+    disagreement would otherwise surface as a gloo abort, not as a value)."""
+    model = fused(build(Net))
+    x, y = data(rank, 0)
+    loss_of(model(x), y, rank).backward()
+    model.reduce_dtype = torch.bfloat16 if rank == 0 else torch.float16
+    x, y = data(rank, 1)
+    output = model(x)  # the rebuild happens in this forward
+    seen = (str(model.reduce_dtype), model.stats()["reduce_dtype"], model.bucket_sizes())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seen)
+    out = {"seen": everyone}
+    if all(s == everyone[0] for s in everyone):
+        loss_of(output, y, rank).backward()
+        out["stepped"] = True
+    return out
+
+
 class OddConvNet(nn.Module):
     """Odd-sized parameters (packed element by element their slots would not start on 16-byte
     boundaries) and convolutions, used in channels_last."""
@@ -836,6 +856,15 @@ def test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves(outcomes
             assert_small([phase["vs_reference"]], f"{phase['label']}: grads vs float64 average")
         assert len(r["phases"]) == 2, r
         assert r["phases"][1]["limits"] == (300, 300, 300, 300), r["phases"][1]
+
+
+@uses(check_reduce_dtype_agreement)
+def test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves(outcomes):
+    for r in results(outcomes, check_reduce_dtype_agreement):
+        for rank, (prop, in_force, sizes) in enumerate(r["seen"]):
+            assert (prop, in_force) == ("torch.bfloat16", "torch.bfloat16"), (rank, r["seen"])
+            assert sizes == r["seen"][0][2], f"bucket sizes differ across ranks: {r['seen']}"
+        assert r.get("stepped"), r
 
 
 @uses(check_slot_layout)
