@@ -260,9 +260,31 @@ def check_no_sync(rank, world):
                for a, b in zip(ours.module.parameters(), ddp.module.parameters()))
 
 
+def check_reduce_dtype_bf16_vs_ddp_compress_hook(rank, world):
+    """reduce_dtype=bf16 (the fused cast copy on the GPU, one launch per bucket) against DDP +
+    bf16_compress_hook with the same buckets (our limits count bf16 bytes: halved)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    torch.cuda.set_device(0)
+    ours = fused_reducer.FusedReducer(_model(), backend="process_group", first_bucket_mb=0.005,
+                                      bucket_cap_mb=0.01, reduce_dtype=torch.bfloat16)
+    ddp = DDP(_model(), bucket_cap_mb=0.02)
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    for step in range(3):
+        x = torch.randn(16, 64, device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(10 * rank + step))
+        for model in (ours, ddp):
+            model.zero_grad()
+            model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    return max((a.grad - b.grad).abs().max().item()
+               for a, b in zip(ours.module.parameters(), ddp.module.parameters()))
+
+
 TWO_RANK_CHECKS = [check_plain, check_bucket_view, check_find_unused, check_fp16, check_bf16,
-                   check_side_stream, check_rebuild_mid_training, check_autotune, check_no_sync]
-TOLERANCE = {"check_fp16": 1e-2, "check_bf16": 5e-2}
+                   check_side_stream, check_rebuild_mid_training, check_autotune, check_no_sync,
+                   check_reduce_dtype_bf16_vs_ddp_compress_hook]
+TOLERANCE = {"check_fp16": 1e-2, "check_bf16": 5e-2,
+             "check_reduce_dtype_bf16_vs_ddp_compress_hook": 1e-2}
 
 
 @pytest.fixture(scope="module")
