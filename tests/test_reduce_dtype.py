@@ -625,3 +625,16 @@ def test_fp16_bucket_scales_before_casting():
     _C.scaled_copy([src], [dst], 0.5)
     assert torch.equal(dst, torch.full((16,), 35000.0, dtype=torch.float16))
     assert torch.isinf(src.to(torch.float16).div_(2)).all()  # what the DDP hook would send
+
+
+def test_tuner_and_profile_count_gradient_bytes_in_the_reduce_dtype():
+    """No spawn: what the autotuner and export_profile lay out is what the reducer buckets. With
+    a reduce dtype, floating-point gradients count bytes of that dtype (and share its group);
+    integer ones keep their own."""
+    from fused_reducer.autotune import ParamInfo
+    params = [torch.zeros(10), torch.zeros(6, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)]
+    plain = ParamInfo(params)
+    assert plain.sizes == [40, 48, 24] and len(set(plain.groups)) == 3
+    bf16 = ParamInfo(params, torch.bfloat16)
+    assert bf16.sizes == [20, 12, 24]
+    assert bf16.groups[0] == bf16.groups[1] != bf16.groups[2]

@@ -44,12 +44,16 @@ _INVALID = 1e30  # a step that cannot be timed (no backward between two forwards
 
 
 class ParamInfo(Gradients):
-    """What bucketing needs about the reducer's parameters (same on every rank)."""
+    """What bucketing needs about the reducer's parameters (same on every rank): bytes and group
+    of each gradient in its bucket, i.e. in the reduce dtype for floating-point gradients when
+    one is set (the C++ reducer's bucket_dtype rule; limits count those bytes)."""
 
-    def __init__(self, params):
+    def __init__(self, params, reduce_dtype=None):
+        def bucket_dtype(p):
+            return reduce_dtype if reduce_dtype is not None and p.dtype.is_floating_point else p.dtype
         keys = {}
-        groups = [keys.setdefault((p.dtype, str(p.device)), len(keys)) for p in params]
-        super().__init__([p.numel() * p.element_size() for p in params], groups)
+        groups = [keys.setdefault((bucket_dtype(p), str(p.device)), len(keys)) for p in params]
+        super().__init__([p.numel() * bucket_dtype(p).itemsize for p in params], groups)
 
 
 def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3,
@@ -178,7 +182,7 @@ class Autotuner:
         reducer = model._reducer
         self.incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
         params = [p for p in model.module.parameters() if p.requires_grad]
-        info = ParamInfo(params)
+        info = ParamInfo(params, model.reduce_dtype)
         latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group,
                                                    control_device=model._control_device)
         plan = None

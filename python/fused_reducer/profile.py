@@ -60,10 +60,12 @@ def export_profile(model, path):
     stretch = phases["backward_end_us"] / local_backward_us if local_backward_us > 0 else 1.0
 
     params = [p for p in model.module.parameters() if p.requires_grad]
-    info = ParamInfo(params)
-    group_names = {}
+    info = ParamInfo(params, model.reduce_dtype)
+    group_names = {}  # one name per bucket group, in ParamInfo's numbering: its bucket dtype
     for p in params:
-        group_names.setdefault(f"{p.dtype} {p.device}", len(group_names))
+        dtype = model.reduce_dtype if model.reduce_dtype is not None and p.dtype.is_floating_point \
+            else p.dtype
+        group_names.setdefault(f"{dtype} {p.device}", len(group_names))
     ready = _median_ready_times(reducer.last_ready_times(), history, stretch)
     last = history[-1]
     profile = {
