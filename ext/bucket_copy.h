@@ -20,9 +20,9 @@ struct CopyJob {
 // sides are dense blocks of one layout (contiguous, or equal strides such as
 // channels_last), of the first job's (src, dst) pair of supported dtypes, move
 // in ONE fused kernel launch on the current stream (cuda/multi_tensor_copy.cu)
-// instead of DDP's launch per parameter; any other job, and every job on CPU,
-// is one ATen op (two when widening: cast, then scale). Copies never record
-// autograd history. Returns the number of fused CUDA kernel launches.
+// instead of DDP's launch per parameter; on CPU an fp32 gradient into a slot
+// of its layout is one plain loop; any other job is one ATen op (two when
+// widening: cast, then scale). Copies never record autograd history. Returns the number of fused CUDA kernel launches.
 int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale);
 
 }  // namespace fused_reducer
