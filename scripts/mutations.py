@@ -208,6 +208,24 @@ MUTATIONS = [
 
     # -- Python: the module wrapper ------------------------------------------------------------------
     dict(
+        id="cpu-copy-loop-unscaled",
+        file="ext/bucket_copy.cpp",
+        edits=[("      dst[i] = static_cast<Dst>(src[i] * scale);",
+                "      dst[i] = static_cast<Dst>(src[i]);")],
+        why="the CPU fast path of the bucket copy drops the 1/world_size scale: every fp32 "
+            "gradient reaches the all-reduce unscaled, ranks get the sum instead of the average",
+        tests=[EQ + "test_fp32_grads_match_ddp_with_default_cap[world2]"],
+    ),
+    dict(
+        id="other-stream-gradients-not-waited",
+        file=REDUCER_CPP,
+        edits=[("    if (packing != *produced_on) {", "    if (false) {")],
+        why="a bucket packed on one stream reads gradients another stream is still writing "
+            "(forward branches on side streams): stale values averaged. CUDA only",
+        tests=["tests/test_gpu_ordering.py::test_gradients_from_several_streams_are_packed_after_their_stream"],
+        gpu=True,
+    ),
+    dict(
         id="broadcast-buffers-false-ignored",
         file=REDUCER_PY,
         edits=[("        return self.broadcast_buffers and self._require_forward_param_sync and any(",
