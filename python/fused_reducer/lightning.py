@@ -55,15 +55,18 @@ _register_ddp_comm_hook = importlib.import_module(
 
 from .reducer import FusedReducer  # noqa: E402 - after the clear ImportError above
 
-_REDUCER_KWARGS = tuple(name for name, p in inspect.signature(FusedReducer.__init__).parameters.items()
-                        if name not in ("self", "module") and p.kind == p.POSITIONAL_OR_KEYWORD)
-_STRATEGY_KWARGS = tuple(name for name, p in inspect.signature(_DDPStrategy.__init__).parameters.items()
-                        if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+# DDP's device arguments: Lightning places the module itself, so the strategy refuses them
+# (FusedReducer itself accepts device_ids/output_device only to confirm the module's device).
 _DDP_ONLY_KWARGS = {
     "device_ids": "FusedReducer uses the device the module is on (Lightning moves it there)",
     "output_device": "FusedReducer returns outputs where the module puts them",
     "dim": "FusedReducer does not scatter inputs",
 }
+_REDUCER_KWARGS = tuple(name for name, p in inspect.signature(FusedReducer.__init__).parameters.items()
+                        if name not in ("self", "module") and name not in _DDP_ONLY_KWARGS
+                        and p.kind == p.POSITIONAL_OR_KEYWORD)
+_STRATEGY_KWARGS = tuple(name for name, p in inspect.signature(_DDPStrategy.__init__).parameters.items()
+                        if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 _UNSET = object()
 
 __all__ = ["FusedReducerStrategy", "LIGHTNING_PACKAGE"]
