@@ -271,6 +271,36 @@ def run_checks(checks, world_size=2, timeout=180, pg_timeout=PG_TIMEOUT):
             for r in range(world_size)]
 
 
+class SelectedChecks:
+    """A test module's checks, each used by one or more tests (`@checks.uses(check)`), run in ONE
+    spawn by the module fixture (`checks.run(request)`): only the checks of the tests pytest
+    selected, so `-k one_test` spawns for that check alone."""
+
+    def __init__(self):
+        self.check_of = {}
+
+    def uses(self, check):
+        def mark(test):
+            self.check_of[test.__name__] = check
+            return test
+        return mark
+
+    def run(self, request, world_size=2, timeout=180):
+        selected = [item.name.split("[")[0] for item in request.session.items
+                    if item.module is request.module]
+        checks = []
+        for name in selected:
+            check = self.check_of.get(name)
+            if check is not None and check not in checks:
+                checks.append(check)
+        return run_checks(checks, world_size, timeout=timeout)
+
+
+def results(outcomes, check):
+    """per_rank for a check given as the function."""
+    return per_rank(outcomes, check.__name__)
+
+
 def per_rank(outcomes, check):
     """The results of `check` on every rank; fails the test with that rank's error otherwise."""
     out = []

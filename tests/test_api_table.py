@@ -39,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import per_rank, run_checks
+from dist_utils import SelectedChecks, results
 from test_bucket_assignment import reference_assign
 from test_dropin_common import (
     ExtraNet, Net, StatNet, build, data, grads, local_average_grads, loss_of, max_diff, outcome,
@@ -1069,30 +1069,13 @@ def check_grad_scaler(rank, world):
 
 # -- the spawn: only the checks of the selected tests ----------------------------------------------
 
-CHECK_OF = {}
-
-
-def uses(check):
-    def mark(test):
-        CHECK_OF[test.__name__] = check
-        return test
-    return mark
+CHECKS = SelectedChecks()
+uses = CHECKS.uses
 
 
 @pytest.fixture(scope="module")
 def outcomes(request):
-    selected = [item.name.split("[")[0] for item in request.session.items
-                if item.module is request.module]
-    checks = []
-    for name in selected:
-        check = CHECK_OF.get(name)
-        if check is not None and check not in checks:
-            checks.append(check)
-    return run_checks(checks, 2, timeout=180)
-
-
-def results(outcomes, check):
-    return per_rank(outcomes, check.__name__)
+    return CHECKS.run(request, 2, timeout=180)
 
 
 def assert_small(values, what, tol=TOL):
