@@ -22,7 +22,8 @@ struct CopyJob {
 // in ONE fused kernel launch on the current stream (cuda/multi_tensor_copy.cu)
 // instead of DDP's launch per parameter; on CPU an fp32 gradient into a slot
 // of its layout is one plain loop; any other job is one ATen op (two when
-// widening: cast, then scale). Copies never record autograd history. Returns the number of fused CUDA kernel launches.
+// widening: cast, then scale). Copies never record autograd history. Returns
+// the number of fused CUDA kernel launches.
 int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale);
 
 }  // namespace fused_reducer

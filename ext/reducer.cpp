@@ -349,17 +349,20 @@ void Reducer::pack_bucket(Bucket& bucket) {
 // gradients share one stream (the common case); at worst it also waits for
 // later work of that stream: lost overlap, never a race.
 void Reducer::wait_for_gradient_streams(const Bucket& bucket) {
+  std::optional<c10::Stream> packing;  // the current stream of the bucket's device
   for (const int64_t index : bucket.params) {
     const auto& produced_on = grad_stream_[index];
     if (!produced_on) {
       continue;
     }
-    const auto* impl = c10::impl::getDeviceGuardImpl(produced_on->device_type());
-    const c10::Stream packing = impl->getStream(produced_on->device());
-    if (packing != *produced_on) {
+    if (!packing) {
+      packing = c10::impl::getDeviceGuardImpl(produced_on->device_type())
+                    ->getStream(produced_on->device());
+    }
+    if (*packing != *produced_on) {
       c10::Event produced(produced_on->device_type());
       produced.record(*produced_on);
-      produced.block(packing);
+      produced.block(*packing);
     }
   }
 }

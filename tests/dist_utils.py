@@ -296,6 +296,22 @@ class SelectedChecks:
         return run_checks(checks, world_size, timeout=timeout)
 
 
+def assert_small(values, what, tol=1e-6):
+    """Every value a float no larger than tol (and at least one)."""
+    assert values, f"{what}: nothing compared"
+    for i, d in enumerate(values):
+        assert isinstance(d, float) and d <= tol, f"{what} [{i}]: {d}"
+
+
+def observe_ready_order(module):
+    """Gradient-ready order (parameter indices) as plain PyTorch hooks see it: (order, handles);
+    remove the handles when done."""
+    order = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
+               for i, p in enumerate(module.parameters())]
+    return order, handles
+
+
 def results(outcomes, check):
     """per_rank for a check given as the function."""
     return per_rank(outcomes, check.__name__)

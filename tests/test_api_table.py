@@ -39,15 +39,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import SelectedChecks, results
-from test_bucket_assignment import reference_assign
+from dist_utils import SelectedChecks, assert_small, observe_ready_order, results
+from test_bucket_layout import expected_layout
 from test_dropin_common import (
     ExtraNet, Net, StatNet, build, data, grads, local_average_grads, loss_of, max_diff, outcome,
     params, same_on_all_ranks, sgd, step)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TOL = 1e-6
 ALLREDUCE_EVENT = "c10d::allreduce_"  # every collective of a c10d process group
 GLOO_EVENT = "gloo:all_reduce"  # with the input's shape and dtype
 ELEMENT = {"float": 4, "double": 8, "int": 4, "long int": 8, "c10::BFloat16": 2, "c10::Half": 2}
@@ -599,24 +598,6 @@ def collectives(fn):
     return count, sorted(moved)
 
 
-def expected_layout(module, order, first, cap):
-    """Names per bucket by the independent statement of the rule (test_bucket_assignment)."""
-    names = [n for n, _ in module.named_parameters()]
-    ps = list(module.parameters())
-    keys = {}
-    groups = [keys.setdefault((p.dtype, p.device), len(keys)) for p in ps]
-    sizes = [p.numel() * p.element_size() for p in ps]
-    return [[names[i] for i in b] for b in reference_assign(sizes, groups, order, first, cap)]
-
-
-def observe_ready_order(module):
-    """Gradient-ready order (parameter indices), seen by plain PyTorch hooks."""
-    order = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
-               for i, p in enumerate(module.parameters())]
-    return order, handles
-
-
 def rank0(value):
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -1076,12 +1057,6 @@ uses = CHECKS.uses
 @pytest.fixture(scope="module")
 def outcomes(request):
     return CHECKS.run(request, 2, timeout=180)
-
-
-def assert_small(values, what, tol=TOL):
-    assert values, f"{what}: nothing compared"
-    for i, d in enumerate(values):
-        assert isinstance(d, float) and d <= tol, f"{what} [{i}]: {d}"
 
 
 # -- tests -----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import per_rank, run_checks
+from dist_utils import observe_ready_order, per_rank, run_checks
 from test_bucket_assignment import reference_assign
 
 TOL = 1e-5
@@ -172,13 +172,6 @@ def check_finds_faster(rank, world_size):
     train_step(fr, opt, rank, step, width=16)
     return {"report": fr.autotune_report(), "start_buckets": start_buckets,
             "buckets": len(fr.bucket_sizes()), "allreduces": fr.stats()["allreduces"]}
-
-
-def observe_ready_order(module):
-    order = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
-               for i, p in enumerate(module.parameters())]
-    return order, handles
 
 
 def check_last_bucket(rank, world_size):

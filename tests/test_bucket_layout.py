@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import per_rank, run_checks
+from dist_utils import observe_ready_order, per_rank, run_checks
 from test_bucket_assignment import reference_assign
 
 
@@ -38,18 +38,14 @@ class TwoBranches(nn.Module):
 
 
 def expected_layout(model, order, first, cap):
+    """Names per bucket by the independent statement of the rule (test_bucket_assignment), one
+    group per (dtype, device) as the reducer buckets them."""
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
+    keys = {}
+    groups = [keys.setdefault((p.dtype, p.device), len(keys)) for p in params]
     sizes = [p.numel() * p.element_size() for p in params]
-    groups = [0] * len(params)
     return [[names[i] for i in b] for b in reference_assign(sizes, groups, order, first, cap)]
-
-
-def observe_ready_order(module):
-    order = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
-               for i, p in enumerate(module.parameters())]
-    return order, handles
 
 
 def check_layout(rank, world_size):

@@ -19,12 +19,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import SelectedChecks, results
+from dist_utils import SelectedChecks, assert_small, observe_ready_order, results
 from test_dropin_common import (
     BNNet, ExtraNet, HIDDEN, Net, build, data, grads, loss_of, max_diff, outcome, params, sgd,
     same_on_all_ranks, side_group)
 
-TOL = 1e-6
 
 
 def fused(module, **kwargs):
@@ -549,9 +548,7 @@ def check_layout_agreement(rank, world):
     module = model.module
     names = [n for n, _ in module.named_parameters()]
     sizes = [p.numel() * p.element_size() for p in module.parameters()]
-    order = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
-               for i, p in enumerate(module.parameters())]
+    order, handles = observe_ready_order(module)
     x, y = data(rank, 0)
     loss_of(model(x), y, rank).backward()
     for h in handles:
@@ -665,12 +662,6 @@ uses = CHECKS.uses
 @pytest.fixture(scope="module")
 def outcomes(request):
     return CHECKS.run(request, 2, timeout=240)
-
-
-def assert_small(values, what, tol=TOL):
-    assert values, f"{what}: nothing compared"
-    for i, d in enumerate(values):
-        assert isinstance(d, float) and d <= tol, f"{what} [{i}]: {d}"
 
 
 # -- tests ------------------------------------------------------------------------------------------

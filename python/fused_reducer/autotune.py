@@ -54,6 +54,7 @@ class ParamInfo(Gradients):
         keys = {}
         groups = [keys.setdefault((bucket_dtype(p), str(p.device)), len(keys)) for p in params]
         super().__init__([p.numel() * bucket_dtype(p).itemsize for p in params], groups)
+        self.group_names = [f"{dtype} {device}" for dtype, device in keys]  # by group number
 
 
 def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3,

@@ -3,8 +3,9 @@
 Ranks that ran out of inputs shadow the collectives the others still issue each step, in the
 same order: the layout broadcast of a rebuild, the buffer broadcast (from the highest rank still
 training, as DDP does), whether the step synchronises, one all-reduce of zeros per bucket (or
-the communication hook on a zero bucket), the unused-parameter map (its last one, as DDP). At the end every rank takes
-the parameters of the last rank to join. Same collectives and results as DDP's join.
+the communication hook on a zero bucket), the unused-parameter map (its last one, as DDP). At
+the end every rank takes the parameters of the last rank to join. Same collectives and results
+as DDP's join.
 """
 import torch
 import torch.distributed as dist

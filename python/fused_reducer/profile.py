@@ -61,11 +61,6 @@ def export_profile(model, path):
 
     params = [p for p in model.module.parameters() if p.requires_grad]
     info = ParamInfo(params, model.reduce_dtype)
-    group_names = {}  # one name per bucket group, in ParamInfo's numbering: its bucket dtype
-    for p in params:
-        dtype = model.reduce_dtype if model.reduce_dtype is not None and p.dtype.is_floating_point \
-            else p.dtype
-        group_names.setdefault(f"{dtype} {p.device}", len(group_names))
     ready = _median_ready_times(reducer.last_ready_times(), history, stretch)
     last = history[-1]
     profile = {
@@ -82,7 +77,7 @@ def export_profile(model, path):
         "limits": {"first_bucket_bytes": last["first_bucket_bytes"],
                    "bucket_cap_bytes": last["bucket_cap_bytes"],
                    "last_bucket_bytes": last["last_bucket_bytes"]},
-        "groups": list(group_names),
+        "groups": info.group_names,
         "params": [{"name": name, "bytes": size, "group": g,
                     "ready_us": None if math.isnan(t) else t}
                    for name, size, g, t in zip(model._param_names, info.sizes, info.groups, ready)],
