@@ -21,8 +21,14 @@ Implementations (--impl):
           c10d process group on CPU) on a flat buffer, the path a gradient bucket takes.
   torch   torch.distributed.all_reduce.
   cupy    raw NCCL through cupy.cuda.nccl (GPU runs with cupy installed; else listed as skipped).
-  An operation is started and waited for (handle.wait() / synchronous all_reduce); on GPU the
-  device is synchronised once after the timed loop, as all_reduce_perf does. NCCL is natively
+  --launch queued (default, as all_reduce_perf enqueues its -n operations on a stream and
+  synchronises once): the -n operations are started back to back and then waited for, so a
+  CPU process group works through a queue of them, as it does a step's buckets; --launch
+  waited: each operation is waited for before the next starts (adds the wake-up latency of
+  every operation). On GPU the device is synchronised once after the timed loop. Queued
+  out-of-place operations on a CPU process group copy into the buffer the previous operation
+  may still be reducing: their times are right, their values are not (-c checks one operation
+  alone). NCCL is natively
   out-of-place (cupy); torch and fused reduce in place, so their out-of-place case copies the
   input into the output buffer and reduces that, and the copy is part of the timed operation.
 
@@ -134,8 +140,12 @@ class Impl:
     def describe(self):
         return self.name
 
-    def run(self, send, recv, inplace):
+    def start(self, send, recv, inplace):
+        """Starts one operation; returns a callable that waits for it."""
         raise NotImplementedError
+
+    def run(self, send, recv, inplace):
+        self.start(send, recv, inplace)()
 
 
 class FusedImpl(Impl):
@@ -152,10 +162,11 @@ class FusedImpl(Impl):
     def describe(self):
         return f"fused [{self.transport.name}]"
 
-    def run(self, send, recv, inplace):
+    def start(self, send, recv, inplace):
         if not inplace:
             recv.copy_(send)
-        self.transport.allreduce_sum(recv).wait(self.timeout)
+        pending = self.transport.allreduce_sum(recv)
+        return lambda: pending.wait(self.timeout)
 
 
 class TorchImpl(Impl):
@@ -167,10 +178,10 @@ class TorchImpl(Impl):
     def describe(self):
         return f"torch [dist.all_reduce, {self.backend}]"
 
-    def run(self, send, recv, inplace):
+    def start(self, send, recv, inplace):
         if not inplace:
             recv.copy_(send)
-        dist.all_reduce(recv)
+        return dist.all_reduce(recv, async_op=True).wait
 
 
 class CupyImpl(Impl):
@@ -200,11 +211,12 @@ class CupyImpl(Impl):
     def supports(self, dtype):
         return dtype in self.types
 
-    def run(self, send, recv, inplace):
+    def start(self, send, recv, inplace):
         stream = torch.cuda.current_stream(recv.device).cuda_stream
         src = recv if inplace else send
         self.comm.allReduce(src.data_ptr(), recv.data_ptr(), recv.numel(), self.types[recv.dtype],
                             self.nccl.NCCL_SUM, stream)
+        return lambda: None  # ordered on the stream; the device sync after the loop waits
 
 
 def make_impls(ctx, args):
@@ -252,15 +264,20 @@ def _sum_over_ranks(ctx, value):
     return int(t.item())
 
 
-def time_case(ctx, impl, send, recv, inplace, warmup, iters):
-    """Mean time per operation in microseconds (per-rank wall time / iters, averaged over ranks)."""
+def time_case(ctx, impl, send, recv, inplace, warmup, iters, queued=True):
+    """Mean time per operation in microseconds (per-rank wall time / iters, averaged over ranks).
+    queued: start all `iters` operations, then wait for them; else wait for each in turn."""
     for _ in range(warmup):
         impl.run(send, recv, inplace)
     ctx.sync()
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(iters):
-        impl.run(send, recv, inplace)
+    if queued:
+        for wait in [impl.start(send, recv, inplace) for _ in range(iters)]:
+            wait()
+    else:
+        for _ in range(iters):
+            impl.run(send, recv, inplace)
     ctx.sync()
     elapsed = time.perf_counter() - start
     return _mean_over_ranks(ctx, elapsed / iters * 1e6)
@@ -374,8 +391,9 @@ def worker(ctx, args):
         "benchmark": "allreduce_bw", "dtype": type_name, "op": "sum", "iters": args.iters,
         "warmup_iters": args.warmup_iters, "trials": args.trials, "check": bool(args.check),
         "impls": {i.name: i.describe() for i in impls}, "skipped": skipped,
-        "time": ("wall time of iters back-to-back operations / iters, mean over ranks; median "
-                 "over trials"),
+        "launch": args.launch,
+        "time": (f"wall time of iters back-to-back operations ({args.launch}) / iters, mean "
+                 "over ranks; median over trials"),
         "busbw_factor": bus_factor(ctx.world_size)})
     corrupt = set(args.corrupt or [])
 
@@ -385,7 +403,7 @@ def worker(ctx, args):
       f"minBytes {args.minbytes} maxBytes {args.maxbytes} step: "
       + (f"{args.stepfactor:g}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)")
       + f" warmup iters: {args.warmup_iters} iters: {args.iters} trials: {args.trials}"
-      f" validation: {args.check}")
+      f" launch: {args.launch} validation: {args.check}")
     p(f"# torch {meta['torch_version']} on {meta['hostname']} ({meta['usable_cpus']} usable cores, "
       f"{meta['threads_per_rank']} threads/rank), {meta['date']}")
     p("# impls: " + ", ".join(i.describe() for i in impls)
@@ -424,7 +442,8 @@ def worker(ctx, args):
                     if inplace:
                         recv.copy_(send)
                     times[(impl.name, inplace)].append(
-                        time_case(ctx, impl, send, recv, inplace, args.warmup_iters, args.iters))
+                        time_case(ctx, impl, send, recv, inplace, args.warmup_iters, args.iters,
+                                  args.launch == "queued"))
         for impl in impls:
             cells = {}
             for inplace in (False, True):
@@ -490,6 +509,10 @@ def build_parser():
                         help="repeat each timed loop this many times, alternating implementations, "
                              "and report the median loop (default 1, as all_reduce_perf; use 3-5 "
                              "on a shared machine)")
+    parser.add_argument("--launch", choices=("queued", "waited"), default="queued",
+                        help="queued: start the -n operations back to back, then wait for "
+                             "them (all_reduce_perf; how a step's buckets queue); waited: wait "
+                             "for each before starting the next (default queued)")
     parser.add_argument("-d", "--dtype", type=_dtype, default=torch.float32,
                         help="element type: float, half, bfloat16, double, int8, uint8, int32, "
                              "int64 (default float)")

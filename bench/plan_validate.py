@@ -9,6 +9,13 @@
     python bench/plan_validate.py compare --sweep bench/out/sweep_w2.json \\
         --profiles bench/out/plan --calibrate bench/out/bw_w2.json --json bench/out/validate.json
 
+measure  the validation in one interleaved run (what docs/PLANNING.md reports): per model, one
+         FusedReducer per (first, cap) cell of --sweep-first x --sweep-cap plus the recording
+         one at --first-mb/--cap-mb, all with the same weights, stepped round by round on the
+         same inputs (the order rotating every round), so that machine drift hits every cell
+         alike; writes the cells as a step_bench-style sweep JSON (--json) and the recording
+         FusedReducer's profile to DIR/profile_<model>.json (--out). Only that one layout's
+         run is the profile: the cells are still predictions of layouts it did not run.
 record   runs step_bench's models and step (zero_grad + forward + loss + backward) under a
          FusedReducer with the given limits (default DDP's 1 MiB / 25 MiB) for --warmup + --steps
          steps and writes model.export_profile() to DIR/profile_<model>.json. Only the
@@ -24,6 +31,9 @@ import json
 import os
 import statistics
 import sys
+import time
+
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -47,6 +57,126 @@ def record_worker(ctx, args):
     return 0
 
 
+# -- measure ---------------------------------------------------------------------------------------
+class FirstGradientClock:
+    """When the first parameter gradient of a backward is accumulated (reset `first` before)."""
+
+    def __init__(self, params):
+        self.first = None
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params
+                        if p.requires_grad]
+
+    def _hook(self, _param):
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def measure_worker(ctx, args):
+    cells = [(f, c) for f in args.sweep_first for c in args.sweep_cap]
+    meta = common.collect_meta(ctx, extra={
+        "benchmark": "plan_validate measure", "steps": args.steps, "warmup": args.warmup,
+        "seed": args.seed, "recorded_limits_mb": [args.first_mb, args.cap_mb],
+        "step": "zero_grad + forward + loss + backward; slowest rank per step; every cell and "
+                "the recording reducer interleaved, one step each per round, order rotating"})
+    rows, models_info = [], []
+    for name in args.model:
+        d = step_bench.MODEL_DEFAULTS[name]
+        spec = step_bench.ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
+                                    args.batch or d["batch"], args.seq or d["seq"], args.seed)
+        info = spec.describe(spec.build("cpu"))
+        models_info.append(info)
+        # The recording reducer first; then the cells (a cell may repeat its layout: it is
+        # still timed as its own reducer, which shows the spread of identical layouts).
+        variants = [("record", step_bench.make_fused(spec.build(ctx.device), args.first_mb,
+                                                     args.cap_mb, False))]
+        variants += [(cell, step_bench.make_fused(spec.build(ctx.device), cell[0], cell[1],
+                                                  False)) for cell in cells]
+        for _, model in variants:
+            model.trace_steps = max(model.trace_steps, args.steps)
+        # The same model without any wrapper: its backward, first gradient -> end, is the
+        # backward without communication that the profile's overlap cost is measured against.
+        variants.append(("local", spec.build(ctx.device)))
+        clock = FirstGradientClock(variants[-1][1].parameters())
+        times = {key: [] for key, _ in variants}
+        local_backward_us = []
+        for index in range(args.warmup + args.steps):
+            x = spec.input(ctx.rank, index, ctx.device)
+            k = index % len(variants)
+            for key, model in variants[k:] + variants[:k]:
+                clock.first = None
+                step_ms, _ = step_bench.timed_step(ctx, model, x, False)
+                if index >= args.warmup:
+                    times[key].append(step_ms)
+                    if key == "local":
+                        local_backward_us.append((time.perf_counter() - clock.first) * 1e6)
+        clock.remove()
+        record = variants[0][1]
+        path = record.export_profile(os.path.join(args.out, f"profile_{name}.json"))
+        # Interleaved, the recording reducer's steps are not consecutive, so the reducer cannot
+        # see the rest of its step (what it records as forward -> forward minus its own span
+        # would hold the other cells' steps): measure it here, as the timed step minus the
+        # reducer's forward start -> gradients written back, slowest rank.
+        spans = [h["finalize_end_us"] - h["forward_us"]
+                 for h in record.step_history()[-args.steps:]]
+        rest = statistics.median(max(0.0, ms * 1e3 - span)
+                                 for ms, span in zip(times["record"], spans))
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, (rest, statistics.median(local_backward_us), times))
+        rest = max(r[0] for r in per_rank)  # the slowest rank, as the profile's times
+        no_comm_us = max(r[1] for r in per_rank)
+        per_rank = [r[2] for r in per_rank]
+        if ctx.rank == 0:
+            for key, model in variants[:-1]:
+                recorded = key == "record"
+                first, cap = (args.first_mb, args.cap_mb) if recorded else key
+                steps = list(zip(*(r[key] for r in per_rank)))
+                # A rank's step: the ranks wait for each other every step, so over the run
+                # they take the same time; per step the mean over ranks (the max would add
+                # the per-step skew, which the profile's per-rank medians do not have).
+                mean = [statistics.fmean(step) for step in steps]
+                slowest = [max(step) for step in steps]
+                rows.append({"model": name, "impl": "fused", "first_bucket_mb": first,
+                             "bucket_cap_mb": cap, "world_size": ctx.world_size,
+                             "recorded": recorded, "steps": len(steps),
+                             "median_ms": statistics.median(mean),
+                             "slowest_rank_median_ms": statistics.median(slowest),
+                             "step_times_ms": mean, "slowest_rank_step_times_ms": slowest,
+                             "bucket_sizes": model.bucket_sizes()})
+                common.print0(ctx, f"   {name:<11}{first:6g} {cap:6g}  "
+                                   f"{len(model.bucket_sizes()):3d} buckets  "
+                                   f"{rows[-1]['median_ms']:9.2f} ms (slowest rank "
+                                   f"{rows[-1]['slowest_rank_median_ms']:.2f} ms)"
+                                   + ("  <- the recorded layout (the profile)" if recorded
+                                      else ""))
+        if ctx.rank == 0:
+            with open(path) as f:
+                profile = json.load(f)
+            source = "bench/plan_validate.py measure (steps interleaved with the sweep's cells)"
+            profile["timing"].update({
+                "step_us": 1e3 * next(r["median_ms"] for r in rows
+                                      if r["model"] == name and r["recorded"]),
+                "step_us_source": f"{source}: its measured step, as in the sweep's cells",
+                "other_us": rest, "other_us_source": f"{source}: timed step minus forward -> "
+                                                     "gradients written back",
+                "backward_no_comm_us": no_comm_us,
+                "backward_no_comm_us_source": f"{source}: the unwrapped model, first gradient "
+                                              "-> backward() returns"})
+            common.write_json(path, profile)
+        common.print0(ctx, f"# {name}: wrote {path} (rest of the step {rest / 1e3:.2f} ms, "
+                           f"backward without communication {no_comm_us / 1e3:.2f} ms)")
+        del variants, record
+    if ctx.rank == 0 and args.json:
+        common.write_json(args.json, {"meta": meta, "models": models_info, "rows": rows,
+                                      "grid": {"first_bucket_mb": args.sweep_first,
+                                               "bucket_cap_mb": args.sweep_cap}})
+        common.print0(ctx, f"# wrote {args.json}")
+    return 0
+
+
 # -- compare --------------------------------------------------------------------------------------
 def compare(args):
     from fused_reducer.plan import Planner, build_network
@@ -56,7 +186,7 @@ def compare(args):
         sweep = json.load(f)
     world = int(sweep["meta"]["world_size"])
     network, inputs, metas = build_network([], args.calibrate)
-    cells = []
+    cells, recorded, planners = [], [], {}
     for info in sweep["models"]:
         profile_path = os.path.join(args.profiles, f"profile_{info['model']}.json")
         profile = load_profile(profile_path)
@@ -65,12 +195,13 @@ def compare(args):
             raise SystemExit(f"{profile_path}: {recorded_bytes} gradient bytes, the sweep's "
                              f"{info['model']} has {info['grad_bytes']}: not the same model")
         planner = Planner(profile, network, inputs, args.overlap, 1.0, profile_path, metas)
+        planners[info["model"]] = planner
         for row in sweep["rows"]:
             if row["model"] != info["model"] or row["impl"] != "fused":
                 continue
             candidate = (int(row["first_bucket_mb"] * MiB), int(row["bucket_cap_mb"] * MiB), 0)
             predicted = planner.predict(candidate, world, world)
-            cells.append({"model": info["model"], "first_mb": row["first_bucket_mb"],
+            (recorded if row.get("recorded") else cells).append({"model": info["model"], "first_mb": row["first_bucket_mb"],
                           "cap_mb": row["bucket_cap_mb"],
                           "bucket_sizes": list(row.get("bucket_sizes") or []),
                           "buckets_measured": len(row.get("bucket_sizes") or []),
@@ -82,12 +213,17 @@ def compare(args):
     summary = summarise(cells)
     print(f"# plan_validate: {args.sweep} (world {world}, {sweep['meta'].get('hostname')}, "
           f"{sweep['meta'].get('date')}), calibration {', '.join(args.calibrate)}, "
-          f"overlap {planner.overlap}")
+          f"overlap {planner.overlap} (cost "
+          + ", ".join(f"{m} {p.overlap_cost:.2f}" for m, p in planners.items()) + ")")
     print("#  model        first    cap  buckets(meas/pred)  measured ms  predicted ms  error %")
     for c in cells:
         print(f"   {c['model']:<11}{c['first_mb']:6g} {c['cap_mb']:6g}  {c['buckets_measured']:8d}/"
               f"{c['buckets_predicted']:<8d}  {c['measured_ms']:11.2f}  {c['predicted_ms']:12.2f}"
               f"  {c['error_pct']:+7.1f}")
+    for c in recorded:  # not a prediction: the profile's own layout, its floor
+        print(f"# {c['model']}: the recorded layout itself ({c['first_mb']:g} / {c['cap_mb']:g}): "
+              f"measured {c['measured_ms']:.2f} ms, predicted {c['predicted_ms']:.2f} ms "
+              f"({c['error_pct']:+.1f} %)")
     for model, s in summary.items():
         line = f"# {model}: median |error| {s['median_abs_error_pct']:.1f} % over {s['cells']} cells"
         if s["same_layout_spread_pct"] is not None:
@@ -99,12 +235,27 @@ def compare(args):
                      f"{s['measured_best']} {s['measured_best_ms']:.2f} ms: "
                      f"{s['predicted_best_vs_measured_best_pct']:+.1f} %")
         print(line)
+        if "layouts" in s:
+            p, m = s["predicted_best_layout"], s["measured_best_layout"]
+            print(f"# {model}, per layout ({s['layouts']} layouts; a layout's time = median of "
+                  f"its cells): predicted best {p['buckets']} buckets {p['cells']} measures "
+                  f"{p['measured_ms']:.2f} ms, measured best {m['buckets']} buckets "
+                  f"{m['cells']} {m['measured_ms']:.2f} ms: "
+                  f"{s['predicted_best_layout_vs_measured_best_pct']:+.1f} %")
     for i in inputs:
         print(f"#   input {i['source']}: {i['input']}: {i['value']}")
+    for model, p in planners.items():
+        for i in p.inputs:
+            if i["input"] in ("overlap cost", "backward without contention"):
+                print(f"#   input {model}: {i['source']}: {i['input']}: {i['value']} "
+                      f"({i['detail']})")
     if args.json:
         common.write_json(args.json, {"sweep": args.sweep, "calibrate": args.calibrate,
                                       "profiles": args.profiles, "world_size": world,
-                                      "overlap": planner.overlap, "cells": cells,
+                                      "overlap": planner.overlap,
+                                      "overlap_cost": {m: p.overlap_cost
+                                                       for m, p in planners.items()},
+                                      "cells": cells, "recorded_cells": recorded,
                                       "summary": summary, "inputs": planner.inputs})
         print(f"# wrote {args.json}")
     if args.plot:
@@ -132,8 +283,29 @@ def summarise(cells):
                 "measured_best_ms": best_meas["measured_ms"],
                 "predicted_best_vs_measured_best_pct":
                     100 * (best_pred["measured_ms"] / best_meas["measured_ms"] - 1)})
+            entry.update(best_layout(mine))
         out[model] = entry
     return out
+
+
+def best_layout(cells):
+    """The same comparison per layout: cells that share a bucket layout are repeated
+    measurements of it, so a layout's measured time is the median of its cells; the predicted
+    best layout (its cells all predict the same) against the best of those medians."""
+    groups = {}
+    for c in cells:
+        groups.setdefault(tuple(c["bucket_sizes"]), []).append(c)
+    layouts = [{"cells": [[c["first_mb"], c["cap_mb"]] for c in g],
+                "buckets": len(g[0]["bucket_sizes"]),
+                "predicted_ms": statistics.median(c["predicted_ms"] for c in g),
+                "measured_ms": statistics.median(c["measured_ms"] for c in g)} for g in
+               groups.values()]
+    predicted = min(layouts, key=lambda lay: lay["predicted_ms"])
+    measured = min(layouts, key=lambda lay: lay["measured_ms"])
+    return {"layouts": len(layouts), "predicted_best_layout": predicted,
+            "measured_best_layout": measured,
+            "predicted_best_layout_vs_measured_best_pct":
+                100 * (predicted["measured_ms"] / measured["measured_ms"] - 1)}
 
 
 def same_layout_spread(cells):
@@ -181,41 +353,56 @@ def plot(path, cells, summary, world):
     plt.close(fig)
 
 
+def _overlap(text):
+    from fused_reducer.plan import _overlap as parse
+    return parse(text)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="plan_validate.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    mea = sub.add_parser("measure", help="profiles and the measured sweep in one interleaved run")
+    mea.add_argument("--out", required=True, help="directory for profile_<model>.json")
+    mea.add_argument("--json", required=True, help="the measured cells (step_bench sweep format)")
+    mea.add_argument("--sweep-first", type=common.parse_float_list, required=True,
+                     metavar="MiB,...", help="first bucket sizes of the cells")
+    mea.add_argument("--sweep-cap", type=common.parse_float_list, required=True,
+                     metavar="MiB,...", help="bucket caps of the cells")
     rec = sub.add_parser("record", help="record one profile per model")
     rec.add_argument("--out", required=True, help="directory for profile_<model>.json")
-    rec.add_argument("--model", type=step_bench._models, default=list(step_bench.MODELS),
-                     help="comma list of step_bench models (default both)")
-    rec.add_argument("--first-mb", type=float, default=1.0,
-                     help="first bucket of the recorded run, MiB (default 1, DDP's)")
-    rec.add_argument("--cap-mb", type=float, default=25.0,
-                     help="bucket cap of the recorded run, MiB (default 25, DDP's)")
-    rec.add_argument("--warmup", type=int, default=3, help="steps before the recorded ones")
-    rec.add_argument("--steps", type=int, default=10, help="recorded steps (medians)")
-    rec.add_argument("--seed", type=int, default=0, help="as step_bench's --seed (default 0)")
-    for flag in ("--layers", "--hidden", "--batch", "--seq"):
-        rec.add_argument(flag, type=int, default=None, help="as step_bench's (default its)")
-    common.add_launch_args(rec)
     cmp_ = sub.add_parser("compare", help="predicted vs measured per sweep cell")
     cmp_.add_argument("--sweep", required=True, help="bench/step_bench.py --json output")
     cmp_.add_argument("--profiles", required=True, help="directory written by record")
     cmp_.add_argument("--calibrate", action="append", required=True,
                       help="bench/allreduce_bw.py --json output (repeat per world size)")
-    cmp_.add_argument("--overlap", choices=("auto", "free", "contended"), default="auto",
-                      help="as fused_reducer.plan's --overlap (default auto)")
+    cmp_.add_argument("--overlap", type=_overlap, default="auto",
+                      help="as fused_reducer.plan's --overlap (default auto: measured when the "
+                           "profiles have a backward without communication)")
     cmp_.add_argument("--json", help="write cells and summary")
     cmp_.add_argument("--plot", help="predicted vs measured scatter PNG")
+    for sp, steps in ((mea, 16), (rec, 10)):
+        sp.add_argument("--model", type=step_bench._models, default=list(step_bench.MODELS),
+                        help="comma list of step_bench models (default both)")
+        sp.add_argument("--first-mb", type=float, default=1.0,
+                        help="first bucket of the recorded run, MiB (default 1, DDP's)")
+        sp.add_argument("--cap-mb", type=float, default=25.0,
+                        help="bucket cap of the recorded run, MiB (default 25, DDP's)")
+        sp.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
+        sp.add_argument("--steps", type=int, default=steps,
+                        help=f"timed/recorded steps (medians; default {steps})")
+        sp.add_argument("--seed", type=int, default=0, help="as step_bench's --seed (default 0)")
+        for flag in ("--layers", "--hidden", "--batch", "--seq"):
+            sp.add_argument(flag, type=int, default=None, help="as step_bench's (default its)")
+        common.add_launch_args(sp)
     return parser
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.command == "record":
+    if args.command in ("record", "measure"):
         os.makedirs(args.out, exist_ok=True)
-        return common.launch(record_worker, args)
+        return common.launch(record_worker if args.command == "record" else measure_worker, args)
     from fused_reducer.plan import PlanInputError
     from fused_reducer.profile import ProfileError
     try:

@@ -120,6 +120,82 @@ def test_allreduce_bw_smoke_json_plot(tmp_path):
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_allreduce_bw_queues_its_timed_operations_unless_told_to_wait(monkeypatch):
+    """--launch queued (all_reduce_perf: enqueue -n, then synchronise) starts every timed
+    operation before waiting for any; --launch waited waits for each before the next."""
+    events = []
+
+    class Recording(allreduce_bw.Impl):
+        def start(self, send, recv, inplace):
+            events.append("start")
+            return lambda: events.append("wait")
+
+    class Ctx:
+        def sync(self):
+            pass
+
+    monkeypatch.setattr(allreduce_bw.dist, "barrier", lambda: None)
+    monkeypatch.setattr(allreduce_bw, "_mean_over_ranks", lambda ctx, value: value)
+    for queued, expected in ((True, ["start"] * 3 + ["wait"] * 3),
+                             (False, ["start", "wait"] * 3)):
+        events.clear()
+        assert allreduce_bw.time_case(Ctx(), Recording(), None, None, True, 1, 3, queued) > 0
+        assert events == ["start", "wait"] + expected  # one warm-up operation first
+    args = allreduce_bw.build_parser().parse_args([])
+    assert args.launch == "queued"
+
+
+def test_plan_validate_measures_interleaved_cells_and_compares(tmp_path):
+    """plan_validate measure: one sweep JSON with a measured row per cell and the recording
+    reducer's profile (its rest of the step measured by the bench); compare predicts each
+    cell from them."""
+    sweep, profiles = tmp_path / "sweep.json", tmp_path / "profiles"
+    res = run_bench("plan_validate.py", "measure", "--model", "many-small", "--sweep-first",
+                    "0.25,4", "--sweep-cap", "1", "--warmup", "1", "--steps", "2", "--out",
+                    str(profiles), "--json", str(sweep))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(sweep.read_text())
+    assert data["meta"]["world_size"] == 2
+    cells = [(r["first_bucket_mb"], r["bucket_cap_mb"], r["recorded"]) for r in data["rows"]]
+    # the recording reducer (DDP's limits by default) first, then the cells
+    assert cells == [(1.0, 25.0, True), (0.25, 1.0, False), (4.0, 1.0, False)]
+    for row in data["rows"]:
+        assert row["impl"] == "fused" and row["steps"] == 2 and row["median_ms"] > 0
+        assert row["slowest_rank_median_ms"] >= row["median_ms"]
+        assert sum(row["bucket_sizes"]) == data["models"][0]["grad_bytes"]
+    assert len(data["rows"][1]["bucket_sizes"]) > len(data["rows"][2]["bucket_sizes"]) == 1
+    timing = json.loads((profiles / "profile_many-small.json").read_text())["timing"]
+    for key in ("other_us", "step_us", "backward_no_comm_us"):
+        assert "plan_validate.py measure" in timing[f"{key}_source"]
+    # the profile's step is the recording reducer's measured one, and the rest of it a few
+    # ms, not the other cells' steps in between
+    assert timing["step_us"] == pytest.approx(1e3 * data["rows"][0]["median_ms"])
+    assert timing["other_us"] < 0.5 * timing["step_us"]
+    assert 0 < timing["backward_no_comm_us"] < timing["step_us"]
+
+    calibration = tmp_path / "bw.json"
+    res = run_bench("allreduce_bw.py", "-b", "16K", "-e", "1M", "-f", "8", "-n", "3", "-w", "1",
+                    "-c", "0", "--impl", "fused", "--quiet", "--json", str(calibration))
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / "validate.json"
+    res = run_bench("plan_validate.py", "compare", "--sweep", str(sweep), "--profiles",
+                    str(profiles), "--calibrate", str(calibration), "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    assert [(c["first_mb"], c["cap_mb"]) for c in result["cells"]] == [(0.25, 1.0), (4.0, 1.0)]
+    assert result["overlap"] == "measured" and 0 <= result["overlap_cost"]["many-small"] <= 1
+    # the recorded layout is the anchor, not a prediction: reproduced, and kept out of the error
+    recorded, = result["recorded_cells"]
+    assert recorded["predicted_ms"] == pytest.approx(recorded["measured_ms"])
+    for c in result["cells"]:
+        assert c["buckets_predicted"] == c["buckets_measured"]
+        assert math.isfinite(c["predicted_ms"]) and c["predicted_ms"] > 0
+        assert c["error_pct"] == pytest.approx(100 * (c["predicted_ms"] / c["measured_ms"] - 1))
+    assert result["summary"]["all"]["cells"] == 2
+    layouts = result["summary"]["many-small"]
+    assert layouts["layouts"] == 2 and "predicted_best_layout_vs_measured_best_pct" in layouts
+
+
 def test_allreduce_bw_check_detects_corrupted_result(tmp_path):
     """--corrupt (testing only) alters one element of fused's result on the last of 3 ranks: the
     check must count exactly that element, torch's rows stay clean, and the run fails."""

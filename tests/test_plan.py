@@ -235,8 +235,78 @@ def test_compute_scale_and_overlap_change_the_prediction(tmp_path):
     assert step(run("--compute-scale", "0.5")) < step(base)
     contended = run("--overlap", "contended")
     assert contended["overlap"] == "contended" and step(contended) != step(base)
+    assert contended["overlap_cost"] == 1.0 and base["overlap_cost"] == 0.0
+    half = run("--overlap", "0.5")
+    assert half["overlap_cost"] == 0.5 and step(half) != step(contended)
     # the recorded backward is taken to include its own overlapped communication
     assert any(i["input"] == "backward without contention" for i in contended["inputs"])
+
+
+def test_overlap_cost_is_measured_from_a_backward_without_communication():
+    """A profile with timing.backward_no_comm_us: the overlap cost is the recorded backward's
+    slowdown over the communication it overlapped, (recorded - without) / overlapped, within
+    [0, 1]; it predicts exactly what the same number given as --overlap predicts."""
+    from fused_reducer.costmodel import CostModel, ProbedCollective
+    from fused_reducer.plan import Planner, PlanInputError
+
+    net = network()
+    profile = synthetic_profile(device="cpu", world=2)
+    base = Planner(profile, net, overlap="free")
+    layout = base.layout(base.incumbent)
+    probe = profile["probe"]
+    overlapped = CostModel(ProbedCollective(probe["latency_us"], probe["bandwidth_GBps"] * 1e3),
+                           base.compute.copy_bytes_per_us).simulate(
+        layout, base.gradients.sizes, base.compute.ready_us,
+        base.compute.backward_end_us).overlapped_us
+    assert overlapped > 0
+    backward = profile["timing"]["backward_end_us"]
+
+    def with_no_comm(us):
+        p = json.loads(json.dumps(profile))
+        p["timing"]["backward_no_comm_us"] = us
+        return p
+
+    measured = Planner(with_no_comm(backward - 0.3 * overlapped), net)
+    assert measured.overlap == "measured"
+    assert measured.overlap_cost == pytest.approx(0.3)
+    assert any(i["input"] == "overlap cost" and i["source"] == "measured"
+               for i in measured.inputs)
+    given = Planner(profile, net, overlap=0.3)
+    for candidate in [(MiB, 25 * MiB, 0), (256 * 1024, MiB, 0), (64 * MiB, 64 * MiB, 0)]:
+        assert measured.predict(candidate, 2, 2).step_us == pytest.approx(
+            given.predict(candidate, 2, 2).step_us)
+    # clamped: a backward as fast with communication as without costs nothing; a slowdown
+    # larger than all the overlapped communication costs all of it
+    assert Planner(with_no_comm(backward * 1.1), net).overlap_cost == 0.0
+    assert Planner(with_no_comm(backward - 2 * overlapped), net).overlap_cost == 1.0
+    # without the measurement: auto falls back to contended on CPU; 'measured' is refused
+    assert Planner(profile, net).overlap == "contended"
+    assert Planner(profile, net).overlap_cost == 1.0
+    with pytest.raises(PlanInputError, match="backward_no_comm_us"):
+        Planner(profile, net, overlap="measured")
+
+
+def test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout():
+    """What the model misses in the recorded step (measured step - modelled step of the
+    recorded layout) is added to every prediction, scaled as compute: a profile that measured
+    a step 5 ms longer predicts every layout 5 ms (x compute scale) slower, in the same order."""
+    from fused_reducer.plan import Planner
+
+    net = network()
+    profile = synthetic_profile(world=8)
+    slower = json.loads(json.dumps(profile))
+    slower["timing"]["step_us"] += 5000.0
+    candidates = [(MiB, 25 * MiB, 0), (256 * 1024, MiB, 0), (64 * MiB, 64 * MiB, 0)]
+    for scale in (1.0, 0.5):
+        base, late = Planner(profile, net, compute_scale=scale), Planner(slower, net,
+                                                                          compute_scale=scale)
+        assert late.residual_us - base.residual_us == pytest.approx(5000.0 * scale)
+        for world in (8, 64):
+            a = [base.predict(c, world, 8).step_us for c in candidates]
+            b = [late.predict(c, world, 8).step_us for c in candidates]
+            assert [y - x for x, y in zip(a, b)] == pytest.approx([5000.0 * scale] * 3)
+        assert any(i["input"] == "unmodelled time per step" and i["source"] == "measured"
+                   for i in late.inputs)
 
 
 def test_hinted_layouts_from_a_plan_pick_the_nearest_world(tmp_path):
@@ -277,6 +347,7 @@ def bad_profile_cases(tmp_path):
         ([str(good), "--compute-scale", "-1"], "-1"),
         ([str(good), "--calibrate", str(tmp_path / "bw.json")], "bw.json"),
         ([str(good), "--network", "ib400,roce200"], "ib400, roce200"),
+        ([str(good), "--overlap", "measured"], "backward_no_comm_us"),
     ]
 
 

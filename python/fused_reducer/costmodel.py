@@ -254,7 +254,11 @@ def _fit_fixed_cost(points):
 
 
 # -- the backward timeline ------------------------------------------------------------------------
-Timeline = namedtuple("Timeline", "free_us contended_us exposed_us overlapped_us comm_us")
+class Timeline(namedtuple("Timeline", "free_us contended_us exposed_us overlapped_us comm_us")):
+    def end_us(self, overlap_cost):
+        """End of the reduction when overlapped communication costs backward `overlap_cost`
+        (0: free, 1: contended) of its duration."""
+        return self.free_us + overlap_cost * self.overlapped_us
 
 
 class CostModel:
@@ -267,6 +271,8 @@ class CostModel:
       contended  it costs backward its full duration (CPU ranks whose transport threads share
                  the cores with backward): end = end of backward + communication overlapped
                  with it + what is left after it.
+    Between them, an overlap cost c in [0, 1] (measured from a profile, see plan.Planner):
+    end = end of backward + c x overlapped + what is left after it (`Timeline.end_us`).
     """
 
     def __init__(self, collective_us, copy_bytes_per_us):
@@ -340,13 +346,25 @@ class StepCompute:
 StepPrediction = namedtuple("StepPrediction", "step_us exposed_us comm_us buckets")
 
 
+OVERLAP_COSTS = {"free": 0.0, "contended": 1.0}
+
+
+def overlap_cost(overlap):
+    """0..1 from "free", "contended" or a number in [0, 1] (see CostModel)."""
+    if overlap in OVERLAP_COSTS:
+        return OVERLAP_COSTS[overlap]
+    if isinstance(overlap, (int, float)) and not isinstance(overlap, bool) and 0 <= overlap <= 1:
+        return float(overlap)
+    raise ValueError(f"overlap must be 'free', 'contended' or a number in [0, 1], got "
+                     f"{overlap!r}")
+
+
 def predict_step(compute, layout, sizes, collective_us, overlap="free"):
-    """Predicted step of `layout`: forward + reduction timeline (`overlap`: "free" or
-    "contended", see CostModel) + copy back + the rest of the step."""
-    if overlap not in ("free", "contended"):
-        raise ValueError(f"overlap must be 'free' or 'contended', got {overlap!r}")
+    """Predicted step of `layout`: forward + reduction timeline (`overlap`: "free",
+    "contended" or the cost in between, see CostModel) + copy back + the rest of the step."""
+    cost_of_overlap = overlap_cost(overlap)
     cost = CostModel(collective_us, compute.copy_bytes_per_us)
     t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
-    end = t.free_us if overlap == "free" else t.contended_us
+    end = t.end_us(cost_of_overlap)
     step = compute.forward_us + end + compute.finalize_us + compute.other_us
     return StepPrediction(step, t.exposed_us, t.comm_us, len(layout))

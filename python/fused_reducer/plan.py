@@ -21,7 +21,7 @@ import sys
 
 from .costmodel import (DDP_DEFAULT, MiB, CostModel, Gradients, Link, Network,
                         ProbedCollective, calibrated_network, candidate_grid, check_topology,
-                        predict_step)
+                        overlap_cost, predict_step)
 from .profile import ProfileError, load_profile, step_compute
 
 PLAN_FORMAT = "fused_reducer.plan"
@@ -197,14 +197,24 @@ class Planner:
         if not compute_scale > 0 or math.isinf(compute_scale):
             raise PlanInputError(f"--compute-scale must be a positive number, got "
                                  f"{compute_scale!r}")
+        timing = profile["timing"]
         if overlap == "auto":
-            overlap = "contended" if profile["device"] == "cpu" else "free"
-            overlap_source = f"auto: profile recorded on {profile['device']}"
+            if timing.get("backward_no_comm_us"):
+                overlap, overlap_source = "measured", "auto: the profile has a backward " \
+                    "measured without communication"
+            else:
+                overlap = "contended" if profile["device"] == "cpu" else "free"
+                overlap_source = f"auto: profile recorded on {profile['device']}"
         else:
             overlap_source = "given"
+        if overlap == "measured" and not timing.get("backward_no_comm_us"):
+            raise PlanInputError("--overlap measured needs a profile with timing."
+                                 "backward_no_comm_us (a backward timed without communication, "
+                                 "docs/PLANNING.md); this one has none")
         self.profile, self.network, self.overlap = profile, network, overlap
         self.inputs = list(inputs)
-        self.inputs.append(_input("overlap", overlap, "assumed", overlap_source))
+        if overlap != "measured":  # a measured one is listed with its numbers below
+            self.inputs.append(_input("overlap", overlap, "assumed", overlap_source))
         params = profile["params"]
         self.gradients = Gradients([p["bytes"] for p in params], [p["group"] for p in params])
         self.order = [int(i) for i in profile["ready_order"]]
@@ -221,19 +231,49 @@ class Planner:
             compute = compute.scaled(compute_scale)
             self.inputs.append(_input("compute scale", f"x {compute_scale:g}", "assumed",
                                       "--compute-scale"))
-        if overlap == "contended":
-            # The recorded backward already paid for its own overlapped communication: take it
-            # out once, with the link the profile was recorded on.
-            recorded, how = _recorded_collective(profile, network, calibration_metas or {})
-            layout = tuple(tuple(b) for b in profile.get("buckets") or
-                           self.layout(self.incumbent))
-            timeline = CostModel(recorded, compute.copy_bytes_per_us).simulate(
-                layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us)
-            compute = compute.without_contention(timeline.overlapped_us)
-            self.inputs.append(_input("backward without contention",
-                                      f"recorded backward minus {timeline.overlapped_us / 1e3:.2f}"
-                                      f" ms of overlapped communication", "assumed", how))
+        # What overlapped communication costs backward (0: free .. 1: its whole duration). The
+        # recorded backward already paid that cost for its own layout: take it out once,
+        # simulated with the link the profile was recorded on.
+        recorded, how = _recorded_collective(profile, network, calibration_metas or {})
+        layout = tuple(tuple(b) for b in profile.get("buckets") or self.layout(self.incumbent))
+        overlapped_us = CostModel(recorded, compute.copy_bytes_per_us).simulate(
+            layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).overlapped_us
+        if overlap == "measured":
+            # The cost that turns the backward measured without communication into the
+            # recorded one: (recorded - without) / overlapped, within [0, 1].
+            pure_us = float(timing["backward_no_comm_us"]) * compute_scale
+            slowdown_us = compute.backward_end_us - pure_us
+            self.overlap_cost = (min(1.0, max(0.0, slowdown_us / overlapped_us))
+                                 if overlapped_us > 0 else 1.0)
+            self.inputs.append(_input(
+                "overlap cost", f"{self.overlap_cost:.2f} of overlapped communication",
+                "measured", f"backward {compute.backward_end_us / 1e3:.2f} ms with "
+                f"communication, {pure_us / 1e3:.2f} ms without; "
+                f"{overlapped_us / 1e3:.2f} ms overlapped in the recorded layout ({how})"))
+            compute = compute.without_contention(self.overlap_cost * overlapped_us)
+        else:
+            self.overlap_cost = overlap_cost(overlap)
+            if self.overlap_cost > 0:
+                compute = compute.without_contention(self.overlap_cost * overlapped_us)
+                self.inputs.append(_input(
+                    "backward without contention", f"recorded backward minus "
+                    f"{self.overlap_cost * overlapped_us / 1e3:.2f} ms of overlapped "
+                    f"communication", "assumed", how))
         self.compute = compute
+        # Anchor on the one step that was measured: what the model misses in the recorded
+        # layout's step (rank skew, waits and gaps it does not see) is added to every
+        # prediction, scaled as compute, so the model answers how layouts *differ*.
+        self.residual_us = 0.0
+        measured_step_us = float(timing.get("step_us") or 0.0) * compute_scale
+        if measured_step_us > 0:
+            modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
+                                    self.overlap_cost)
+            self.residual_us = measured_step_us - modelled.step_us
+            self.inputs.append(_input(
+                "unmodelled time per step", f"{self.residual_us / 1e3:+.2f} ms", "measured",
+                f"the profile's step {measured_step_us / 1e3:.2f} ms minus the model's "
+                f"{modelled.step_us / 1e3:.2f} ms for the recorded layout ({how}); added to "
+                f"every prediction"))
 
     def layout(self, candidate):
         return self.gradients.layout(self.order, candidate)
@@ -244,8 +284,9 @@ class Planner:
 
     def predict_layout(self, layout, world, per_node):
         """costmodel.StepPrediction of a layout (parameter indices per bucket)."""
-        return predict_step(self.compute, layout, self.gradients.sizes,
-                            self.network.collective(world, per_node), self.overlap)
+        p = predict_step(self.compute, layout, self.gradients.sizes,
+                         self.network.collective(world, per_node), self.overlap_cost)
+        return p._replace(step_us=p.step_us + self.residual_us)
 
 
 def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="auto",
@@ -297,7 +338,8 @@ def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="aut
                     "gradient_bytes": sum(gradients.sizes), "limits": _limits_json(incumbent)},
         "network": {"intra": network.intra.to_json(), "inter": network.inter.to_json(),
                     "launch_us": network.launch_us},
-        "overlap": planner.overlap, "compute_scale": compute_scale,
+        "overlap": planner.overlap, "overlap_cost": planner.overlap_cost,
+        "compute_scale": compute_scale,
         "layouts_considered": len(layouts), "inputs": planner.inputs, "worlds": entries,
         "note": "predictions of costmodel.py, not measurements; see docs/PLANNING.md",
     }
@@ -382,7 +424,7 @@ def format_plan(plan):
         f"{prof['gradient_bytes'] / 1e6:.1f} MB of gradients; recorded at world "
         f"{prof['world_size']} on {prof['device']} ({prof['transport']}), limits "
         f"{_triple(prof['limits'])}",
-        f"# overlap {plan['overlap']}, compute scale {plan['compute_scale']:g}, "
+        f"# overlap {plan['overlap']} (cost {plan['overlap_cost']:.2f}), compute scale {plan['compute_scale']:g}, "
         f"{plan['layouts_considered']} distinct layouts considered",
         "#",
         "#  world  nodes  x GPUs  layout                                   buckets   step ms  "
@@ -468,6 +510,17 @@ def render_plot(plan, path, heatmap_world):
 
 
 # -- command line ---------------------------------------------------------------------------------
+def _overlap(text):
+    if text in ("auto", "free", "contended", "measured"):
+        return text
+    try:
+        return overlap_cost(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--overlap takes auto, free, contended, measured or a number in [0, 1]; got "
+            f"{text!r}") from None
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="python -m fused_reducer.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -484,10 +537,12 @@ def build_parser():
     parser.add_argument("--calibrate", action="append", default=[], metavar="FILE",
                         help="bench/allreduce_bw.py --json output measured on one node; "
                              "repeat for several world sizes. Replaces the intra-node preset")
-    parser.add_argument("--overlap", choices=("auto", "free", "contended"), default="auto",
-                        help="free: communication overlapping backward costs it nothing (GPU); "
-                             "contended: it costs its duration (CPU ranks sharing cores); auto: "
-                             "contended for a CPU profile, else free")
+    parser.add_argument("--overlap", type=_overlap, default="auto",
+                        help="what communication overlapping backward costs it: free (nothing: "
+                             "GPU), contended (its duration: CPU ranks sharing cores), a "
+                             "fraction 0..1, or measured (from the profile's backward without "
+                             "communication); auto: measured when the profile has it, else "
+                             "contended for a CPU profile and free otherwise")
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="multiply the profile's compute times (0.25: the target machine "
                              "computes 4x as fast); default 1")
