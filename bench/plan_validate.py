@@ -12,8 +12,8 @@
 measure  the validation in one interleaved run (what docs/PLANNING.md reports): per model, one
          FusedReducer per (first, cap) cell of --sweep-first x --sweep-cap plus the recording
          one at --first-mb/--cap-mb, all with the same weights, stepped round by round on the
-         same inputs (the order rotating every round), so that machine drift hits every cell
-         alike; writes the cells as a step_bench-style sweep JSON (--json) and the recording
+         same inputs (in a new random order every round, the same on every rank), so that
+         machine drift hits every cell alike; writes the cells as a step_bench-style sweep JSON (--json) and the recording
          FusedReducer's profile to DIR/profile_<model>.json (--out). Only that one layout's
          run is the profile: the cells are still predictions of layouts it did not run.
 record   runs step_bench's models and step (zero_grad + forward + loss + backward) under a
@@ -29,6 +29,7 @@ compare  predicts every (first, cap) cell of a step_bench sweep (its 'fused' row
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -81,7 +82,7 @@ def measure_worker(ctx, args):
         "benchmark": "plan_validate measure", "steps": args.steps, "warmup": args.warmup,
         "seed": args.seed, "recorded_limits_mb": [args.first_mb, args.cap_mb],
         "step": "zero_grad + forward + loss + backward; slowest rank per step; every cell and "
-                "the recording reducer interleaved, one step each per round, order rotating"})
+                "the recording reducer interleaved, one step each per round, in a random order per round (the same on every rank)"})
     rows, models_info = [], []
     for name in args.model:
         d = step_bench.MODEL_DEFAULTS[name]
@@ -103,10 +104,13 @@ def measure_worker(ctx, args):
         clock = FirstGradientClock(variants[-1][1].parameters())
         times = {key: [] for key, _ in variants}
         local_backward_us = []
+        # A fresh order every round, the same on every rank (same seed): a rotation would keep
+        # each reducer behind the same predecessor, whose leftovers (its last all-reduce,
+        # caches) it would then pay every round (measured: one layout 7 % apart from itself).
+        order = random.Random(args.seed)
         for index in range(args.warmup + args.steps):
             x = spec.input(ctx.rank, index, ctx.device)
-            k = index % len(variants)
-            for key, model in variants[k:] + variants[:k]:
+            for key, model in order.sample(variants, len(variants)):
                 clock.first = None
                 step_ms, _ = step_bench.timed_step(ctx, model, x, False)
                 if index >= args.warmup:

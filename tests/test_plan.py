@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -404,7 +405,28 @@ def check_profile_round_trip(rank, world_size):
     path = model.export_profile(os.path.join(folder, "profile_{rank}.json"))
     with open(path) as f:
         data = json.load(f)
-    return {"early": early, "profile": data, "path": path,
+    # Every agreement export_profile makes is staged on the model's control device (the GPU
+    # for an NCCL group, which has no CPU backend): a stand-in device is recorded, the sums
+    # run on the CPU.
+    import torch
+    from fused_reducer import autotune, transport
+    seen, real = set(), transport.control_allreduce
+
+    def recording(values, op, group, device):
+        seen.add(str(device))
+        return real(values, op, group, "cpu")
+
+    saved = model._control_device
+    transport.control_allreduce = autotune.control_allreduce = recording
+    model._control_device = torch.device("cuda", 5)
+    try:
+        model.export_profile(os.path.join(folder, "again_{rank}.json"))
+    finally:
+        transport.control_allreduce = autotune.control_allreduce = real
+        model._control_device = saved
+    return {"early": early, "profile": data, "path": path, "control_devices": sorted(seen),
+            "backward_per_step": [(s["step"], s["backward_end_us"])
+                                  for s in model.step_history()],
             "bytes": sum(p.numel() * p.element_size() for p in model.module.parameters()),
             "buckets": len(model.bucket_sizes())}
 
@@ -449,6 +471,12 @@ def test_profile_round_trip(outcomes, tmp_path):
         assert t["forward_us"] > 0 and t["backward_end_us"] >= ready[-1]
         assert p["probe"]["latency_us"] > 0 and p["probe"]["bandwidth_GBps"] > 0
         assert p["software"]["torch"] and "hostname" in p["machine"]
+    assert [r["control_devices"] for r in results] == [["cuda:5"], ["cuda:5"]]
+    # backward: per step the slower rank, median over the steps (both ranks' telemetry)
+    steps = [dict(r["backward_per_step"]) for r in results]
+    assert steps[0].keys() == steps[1].keys() and len(steps[0]) == 4
+    assert results[0]["profile"]["timing"]["backward_end_us"] == pytest.approx(
+        statistics.median(max(steps[0][k], steps[1][k]) for k in steps[0]))
     # the slowest rank's phases are shared; the probe too
     phases = [{k: v for k, v in r["profile"]["timing"].items() if k != "copy_GBps"}
               for r in results]

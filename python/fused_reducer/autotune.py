@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .costmodel import KiB, MiB, CostModel, Gradients, candidate_grid
+from .transport import control_allreduce
 
 log = logging.getLogger("fused_reducer")
 
@@ -76,9 +77,7 @@ def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repe
                 torch.cuda.synchronize(device)
             best = min(best, (time.perf_counter() - start) * 1e6)
         timings.append(best)
-    agreed = torch.tensor(timings, dtype=torch.float64, device=control_device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    t_small, t_large = agreed.tolist()
+    t_small, t_large = control_allreduce(timings, dist.ReduceOp.MAX, group, control_device)
     bytes_per_us = (large - small) / max(t_large - t_small, 1e-3)
     latency_us = max(t_small - small / bytes_per_us, 1.0)
     return latency_us, bytes_per_us
@@ -285,9 +284,9 @@ class Autotuner:
         self.pending = []
 
     def _finish_trial(self):
-        agreed = torch.tensor(self.pending, dtype=torch.float64, device=self.model._control_device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        valid = [t for t in agreed.tolist() if t < _INVALID / 2]
+        agreed = control_allreduce(self.pending, dist.ReduceOp.MAX, self.group,
+                                   self.model._control_device)
+        valid = [t for t in agreed if t < _INVALID / 2]
         self.samples[self.current].extend(valid)
         log.debug("rank %d: autotune trial %s round %d: step ms %s", self.rank, self.current,
                   self.round, [round(t, 2) for t in valid])

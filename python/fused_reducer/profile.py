@@ -34,6 +34,7 @@ def export_profile(model, path):
     with "{rank}" in it, every rank writes its own. Returns the path written, or None on ranks
     that write nothing. Needs at least two completed synchronised steps."""
     from .autotune import ParamInfo, probe_transport
+    from .transport import control_allreduce
     from . import build_info
 
     reducer = model._reducer
@@ -41,22 +42,32 @@ def export_profile(model, path):
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     history = reducer.history()
+    control = model._control_device
     # Checked together, so that no rank is left waiting in the probe when another one raises.
-    enough = torch.tensor([len(history)], dtype=torch.float64)
-    dist.all_reduce(enough, op=dist.ReduceOp.MIN, group=group)
-    if enough.item() < 2:
+    steps, = control_allreduce([len(history)], dist.ReduceOp.MIN, group, control)
+    if steps < 2:
         raise RuntimeError(
             f"export_profile needs at least 2 completed synchronised steps of telemetry, a rank "
-            f"has {int(enough.item())}: train a few steps first")
+            f"has {int(steps)}: train a few steps first")
 
     latency_us, bytes_per_us = probe_transport(model._transport, model.device, group,
-                                               control_device=model._control_device)
+                                               control_device=control)
     phases = _step_phases(history)
     local_backward_us = phases["backward_end_us"]
     # Slowest rank per phase: the step time of data parallelism is the slowest rank's.
-    slowest = torch.tensor([phases[k] for k in _PHASES], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    phases.update(zip(_PHASES, slowest.tolist()))
+    slowest = control_allreduce([phases[k] for k in _PHASES], dist.ReduceOp.MAX, group, control)
+    phases.update(zip(_PHASES, slowest))
+    # The last bucket waits for whichever rank is slowest in *that* step: the median over
+    # steps of the per-step slowest backward, not the slowest rank's median (which forgets the
+    # step-to-step skew), when the ranks' recorded steps are the same ones.
+    recent = history[-int(steps):]
+    numbers = [float(s["step"]) for s in recent]
+    agreed = control_allreduce(numbers + [-n for n in numbers]
+                               + [s["backward_end_us"] for s in recent],
+                               dist.ReduceOp.MAX, group, control)
+    k = len(recent)
+    if agreed[:k] == numbers and [-n for n in agreed[k:2 * k]] == numbers:
+        phases["backward_end_us"] = statistics.median(agreed[2 * k:])
     stretch = phases["backward_end_us"] / local_backward_us if local_backward_us > 0 else 1.0
 
     params = [p for p in model.module.parameters() if p.requires_grad]

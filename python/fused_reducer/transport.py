@@ -55,6 +55,15 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     return _C.NcclTransport(box[0], rank, world, device.index, timeout_s)
 
 
+def control_allreduce(values, op, group, device):
+    """All-reduce a few numbers (float64) across `group` with `op`, staged on `device` (the
+    model's control device: the rank's GPU for an NCCL group, which has no CPU backend, else
+    the CPU); returns them as a list. The library's own small agreements go through here."""
+    agreed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=op, group=group)
+    return agreed.tolist()
+
+
 # -- one rank per GPU -------------------------------------------------------------------------
 _exchange_rounds = {}  # per group: how many identity exchanges so far (same sequence on all ranks)
 
