@@ -344,8 +344,9 @@ def plot(path, cells, summary, world):
             ax.annotate(f"{c['first_mb']:g},{c['cap_mb']:g}", (c["measured_ms"], c["predicted_ms"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
         s = summary[model]
-        ax.set_title(f"{model}, world {world}: median |err| {s['median_abs_error_pct']:.1f} %, "
-                     f"pred. best {s['predicted_best_vs_measured_best_pct']:+.1f} % of best",
+        ax.set_title(f"{model}, world {world}: median |err| {s['median_abs_error_pct']:.1f} %; "
+                     f"predicted best layout {s['predicted_best_layout_vs_measured_best_pct']:+.1f}"
+                     f" % of best (cell {s['predicted_best_vs_measured_best_pct']:+.1f} %)",
                      fontsize=9)
         ax.set_xlabel("measured median step (ms)")
         ax.set_ylabel("predicted step (ms)")

@@ -87,6 +87,7 @@ def test_timeline_launches_in_order_one_collective_at_a_time():
     assert t.overlapped_us == pytest.approx(40 + 10, abs=1e-3)
     assert t.contended_us == pytest.approx(70 + 50 + 10, abs=1e-3)
     assert t.comm_us == pytest.approx(60.0)
+    assert t.late_bytes == 1000  # only bucket (1,) is still reducing when backward ends
     assert cost.predict_us(((0, 2), (1,)), sizes, ready, 70.0) == (t.free_us, t.contended_us)
 
 
@@ -99,6 +100,11 @@ def test_step_adds_forward_copy_back_and_rest():
     half = predict_step(compute.scaled(0.5), ((0, 2), (1,)), [1000, 1000, 2000],
                         lambda n: 10 + n / 100)
     assert half.step_us < free.step_us
+    # the copy back scales with the late buckets' bytes when the recorded ones are known:
+    # bucket (1,) (1000 bytes) ends after backward; the recorded 7 us copied back 500 bytes
+    late = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9, finalize_bytes=500)
+    assert predict_step(late, ((0, 2), (1,)), [1000, 1000, 2000],
+                        lambda n: 10 + n / 100).step_us == pytest.approx(100 + 80 + 14 + 3)
     with pytest.raises(ValueError, match="'sideways'"):
         predict_step(compute, ((0,),), [1, 1, 1], lambda n: 1.0, overlap="sideways")
 

@@ -254,7 +254,11 @@ def _fit_fixed_cost(points):
 
 
 # -- the backward timeline ------------------------------------------------------------------------
-class Timeline(namedtuple("Timeline", "free_us contended_us exposed_us overlapped_us comm_us")):
+class Timeline(namedtuple("Timeline",
+                          "free_us contended_us exposed_us overlapped_us comm_us late_bytes")):
+    """late_bytes: bytes of the buckets whose collective ends after backward, which are copied
+    back into .grad at its end (the others are unpacked while backward goes on)."""
+
     def end_us(self, overlap_cost):
         """End of the reduction when overlapped communication costs backward `overlap_cost`
         (0: free, 1: contended) of its duration."""
@@ -291,6 +295,7 @@ class CostModel:
         transport_free = 0.0
         overlapped = 0.0
         comm = 0.0
+        late_bytes = 0
         for bucket in layout:
             times = [ready_us[i] for i in bucket if not math.isnan(ready_us[i])]
             ready = max(times) if times else backward_end_us
@@ -301,9 +306,11 @@ class CostModel:
             transport_free = start + duration
             comm += duration
             overlapped += max(0.0, min(transport_free, backward_end_us) - start)
+            if transport_free > backward_end_us:
+                late_bytes += nbytes
         exposed = max(0.0, transport_free - backward_end_us)
         return Timeline(backward_end_us + exposed, backward_end_us + overlapped + exposed,
-                        exposed, overlapped, comm)
+                        exposed, overlapped, comm, late_bytes)
 
     def predict_us(self, layout, sizes, ready_us, backward_end_us):
         """(free, contended) end of the reduction, microseconds after the first gradient."""
@@ -317,22 +324,32 @@ class StepCompute:
     forward_us: forward start -> first gradient ready; ready_us: per parameter, after the first
     gradient; backward_end_us; finalize_us: copying reduced buckets back into .grad after
     backward (waits excluded); other_us: gradients written back -> next forward (optimizer,
-    zero_grad, data); copy_bytes_per_us: the copy into buckets."""
+    zero_grad, data); copy_bytes_per_us: the copy into buckets. finalize_bytes: the bytes that
+    finalize_us copied back (the recorded layout's late buckets), when known: a layout's copy
+    back then takes finalize_us x its own late bytes / finalize_bytes."""
 
     def __init__(self, forward_us, ready_us, backward_end_us, finalize_us, other_us,
-                 copy_bytes_per_us):
+                 copy_bytes_per_us, finalize_bytes=None):
         self.forward_us = forward_us
         self.ready_us = list(ready_us)
         self.backward_end_us = backward_end_us
         self.finalize_us = finalize_us
         self.other_us = other_us
         self.copy_bytes_per_us = copy_bytes_per_us
+        self.finalize_bytes = finalize_bytes
+
+    def finalize_for(self, late_bytes):
+        """Copy back after a backward whose late buckets hold `late_bytes`."""
+        if not self.finalize_bytes:
+            return self.finalize_us
+        return self.finalize_us * late_bytes / self.finalize_bytes
 
     def scaled(self, factor):
         """The same step on a machine `factor` times as slow (0.5: twice as fast)."""
         return StepCompute(self.forward_us * factor, [t * factor for t in self.ready_us],
                            self.backward_end_us * factor, self.finalize_us * factor,
-                           self.other_us * factor, self.copy_bytes_per_us / factor)
+                           self.other_us * factor, self.copy_bytes_per_us / factor,
+                           self.finalize_bytes)
 
     def without_contention(self, overlapped_us):
         """Backward as it would run without `overlapped_us` of communication stealing its cores
@@ -340,7 +357,8 @@ class StepCompute:
         pure = max(self.backward_end_us - overlapped_us, 0.5 * self.backward_end_us)
         factor = pure / self.backward_end_us if self.backward_end_us > 0 else 1.0
         return StepCompute(self.forward_us, [t * factor for t in self.ready_us], pure,
-                           self.finalize_us, self.other_us, self.copy_bytes_per_us)
+                           self.finalize_us, self.other_us, self.copy_bytes_per_us,
+                           self.finalize_bytes)
 
 
 StepPrediction = namedtuple("StepPrediction", "step_us exposed_us comm_us buckets")
@@ -366,5 +384,5 @@ def predict_step(compute, layout, sizes, collective_us, overlap="free"):
     cost = CostModel(collective_us, compute.copy_bytes_per_us)
     t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
     end = t.end_us(cost_of_overlap)
-    step = compute.forward_us + end + compute.finalize_us + compute.other_us
+    step = compute.forward_us + end + compute.finalize_for(t.late_bytes) + compute.other_us
     return StepPrediction(step, t.exposed_us, t.comm_us, len(layout))

@@ -259,6 +259,10 @@ class Planner:
                     "backward without contention", f"recorded backward minus "
                     f"{self.overlap_cost * overlapped_us / 1e3:.2f} ms of overlapped "
                     f"communication", "assumed", how))
+        # The recorded copy back was that of the recorded layout's late buckets: per layout it
+        # scales with the bytes of its own (the rest is unpacked while backward goes on).
+        compute.finalize_bytes = CostModel(recorded, compute.copy_bytes_per_us).simulate(
+            layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).late_bytes
         self.compute = compute
         # Anchor on the one step that was measured: what the model misses in the recorded
         # layout's step (rank skew, waits and gaps it does not see) is added to every
