@@ -304,6 +304,12 @@ def test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout():
     slower = json.loads(json.dumps(profile))
     slower["timing"]["step_us"] += 5000.0
     candidates = [(MiB, 25 * MiB, 0), (256 * 1024, MiB, 0), (64 * MiB, 64 * MiB, 0)]
+    # the residual is found on the recorded run's own machine and link, then scaled as compute
+    # (not the scaled compute against the unscaled recorded communication)
+    slow_link = json.loads(json.dumps(profile))
+    slow_link["probe"] = {"latency_us": 500.0, "bandwidth_GBps": 0.5}
+    assert Planner(slow_link, net, compute_scale=0.01).residual_us == pytest.approx(
+        0.01 * Planner(slow_link, net).residual_us)
     for scale in (1.0, 0.5):
         base, late = Planner(profile, net, compute_scale=scale), Planner(slower, net,
                                                                           compute_scale=scale)

@@ -227,10 +227,8 @@ class Planner:
             f"{profile['world_size']}", "measured",
             f"profile {profile_path or ''} ({profile.get('created', '?')}, "
             f"{machine.get('hostname', '?')}, {profile['device']})"))
-        if compute_scale != 1.0:
-            compute = compute.scaled(compute_scale)
-            self.inputs.append(_input("compute scale", f"x {compute_scale:g}", "assumed",
-                                      "--compute-scale"))
+        # The recorded run is reconstructed first, on its own machine and link (unscaled);
+        # --compute-scale moves the result to the target machine at the end.
         # What overlapped communication costs backward (0: free .. 1: its whole duration). The
         # recorded backward already paid that cost for its own layout: take it out once,
         # simulated with the link the profile was recorded on.
@@ -241,7 +239,7 @@ class Planner:
         if overlap == "measured":
             # The cost that turns the backward measured without communication into the
             # recorded one: (recorded - without) / overlapped, within [0, 1].
-            pure_us = float(timing["backward_no_comm_us"]) * compute_scale
+            pure_us = float(timing["backward_no_comm_us"])
             slowdown_us = compute.backward_end_us - pure_us
             self.overlap_cost = (min(1.0, max(0.0, slowdown_us / overlapped_us))
                                  if overlapped_us > 0 else 1.0)
@@ -263,21 +261,27 @@ class Planner:
         # scales with the bytes of its own (the rest is unpacked while backward goes on).
         compute.finalize_bytes = CostModel(recorded, compute.copy_bytes_per_us).simulate(
             layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).late_bytes
-        self.compute = compute
         # Anchor on the one step that was measured: what the model misses in the recorded
         # layout's step (rank skew, waits and gaps it does not see) is added to every
         # prediction, scaled as compute, so the model answers how layouts *differ*.
-        self.residual_us = 0.0
-        measured_step_us = float(timing.get("step_us") or 0.0) * compute_scale
+        residual_us = 0.0
+        measured_step_us = float(timing.get("step_us") or 0.0)
         if measured_step_us > 0:
             modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
                                     self.overlap_cost)
-            self.residual_us = measured_step_us - modelled.step_us
+            residual_us = measured_step_us - modelled.step_us
             self.inputs.append(_input(
-                "unmodelled time per step", f"{self.residual_us / 1e3:+.2f} ms", "measured",
+                "unmodelled time per step", f"{residual_us / 1e3:+.2f} ms"
+                + (f" (x {compute_scale:g})" if compute_scale != 1.0 else ""), "measured",
                 f"the profile's step {measured_step_us / 1e3:.2f} ms minus the model's "
                 f"{modelled.step_us / 1e3:.2f} ms for the recorded layout ({how}); added to "
                 f"every prediction"))
+        self.residual_us = residual_us * compute_scale
+        if compute_scale != 1.0:
+            compute = compute.scaled(compute_scale)
+            self.inputs.append(_input("compute scale", f"x {compute_scale:g}", "assumed",
+                                      "--compute-scale"))
+        self.compute = compute
 
     def layout(self, candidate):
         return self.gradients.layout(self.order, candidate)
