@@ -407,11 +407,59 @@ MUTATIONS = [
     dict(
         id="autotune-step-times-not-agreed",
         file="python/fused_reducer/autotune.py",
-        edits=[("        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)\n"
-                "        valid = ",
-                "        valid = ")],
+        edits=[("        agreed = control_allreduce(self.pending, dist.ReduceOp.MAX, self.group,\n"
+                "                                   self.model._control_device)\n",
+                "        agreed = list(self.pending)\n")],
         why="step times are not the slowest rank's: each rank ranks candidates on its own "
             "timings, so the ranks' decisions can differ",
         tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
+    ),
+    # -- the planner -------------------------------------------------------------------------------
+    dict(
+        id="profile-agreement-on-cpu",
+        file="python/fused_reducer/profile.py",
+        edits=[("    control = model._control_device\n", "    control = \"cpu\"\n")],
+        why="export_profile stages its agreements on CPU tensors whatever the group: a plain "
+            "NCCL group refuses them, so recording a profile fails on every GPU cluster",
+        tests=["tests/test_plan.py::test_profile_round_trip"],
+    ),
+    dict(
+        id="planner-copy-back-constant",
+        file="python/fused_reducer/costmodel.py",
+        edits=[("        return self.finalize_us * late_bytes / self.finalize_bytes",
+                "        return self.finalize_us")],
+        why="the copy back after backward stays the recorded layout's for every layout: a layout "
+            "with one big last bucket (all copied back at the end) looks as cheap as one whose "
+            "buckets were unpacked during backward, and the planner ranks it best (measured: "
+            "+14.1 % from the best on `large`)",
+        tests=["tests/test_plan.py::test_step_adds_forward_copy_back_and_rest"],
+    ),
+    dict(
+        id="planner-anchor-unscaled",
+        file="python/fused_reducer/plan.py",
+        edits=[("        self.residual_us = residual_us * compute_scale\n",
+                "        self.residual_us = residual_us\n")],
+        why="the recorded run's unmodelled time is added at full size after --compute-scale "
+            "moved the compute to a faster machine: a CPU profile planned for GPUs carries CPU "
+            "milliseconds into every prediction",
+        tests=["tests/test_plan.py::test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout"],
+    ),
+    dict(
+        id="planner-overlap-cost-ignored",
+        file="python/fused_reducer/costmodel.py",
+        edits=[("        return self.free_us + overlap_cost * self.overlapped_us",
+                "        return self.free_us + self.overlapped_us")],
+        why="a measured or given overlap cost is read as 'contended': the planner charges "
+            "backward all overlapped communication whatever was measured",
+        tests=["tests/test_plan.py::test_timeline_launches_in_order_one_collective_at_a_time"],
+    ),
+    dict(
+        id="allreduce-bw-waits-each-op",
+        file="bench/allreduce_bw.py",
+        edits=[("    if queued:\n        for wait in", "    if False:\n        for wait in")],
+        why="the bandwidth benchmark waits for every operation although it says it queues them "
+            "(nccl-tests' method): each pays a wake-up, the calibration the planner reads is "
+            "slower than a step's queued buckets",
+        tests=["tests/test_bench.py::test_allreduce_bw_queues_its_timed_operations_unless_told_to_wait"],
     ),
 ]

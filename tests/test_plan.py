@@ -88,6 +88,9 @@ def test_timeline_launches_in_order_one_collective_at_a_time():
     assert t.contended_us == pytest.approx(70 + 50 + 10, abs=1e-3)
     assert t.comm_us == pytest.approx(60.0)
     assert t.late_bytes == 1000  # only bucket (1,) is still reducing when backward ends
+    # an overlap cost between free (0) and contended (1) charges that share of the overlap
+    assert (t.end_us(0.0), t.end_us(1.0)) == (t.free_us, t.contended_us)
+    assert t.end_us(0.5) == pytest.approx(80 + 0.5 * 50)
     assert cost.predict_us(((0, 2), (1,)), sizes, ready, 70.0) == (t.free_us, t.contended_us)
 
 
