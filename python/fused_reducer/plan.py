@@ -229,14 +229,29 @@ class Planner:
             f"{machine.get('hostname', '?')}, {profile['device']})"))
         # The recorded run is reconstructed first, on its own machine and link (unscaled);
         # --compute-scale moves the result to the target machine at the end.
-        # What overlapped communication costs backward (0: free .. 1: its whole duration). The
-        # recorded backward already paid that cost for its own layout: take it out once,
-        # simulated with the link the profile was recorded on.
         recorded, how = _recorded_collective(profile, network, calibration_metas or {})
         layout = tuple(tuple(b) for b in profile.get("buckets") or self.layout(self.incumbent))
+        compute = self._without_recorded_contention(compute, layout, recorded, how, timing)
+        # The recorded copy back was that of the recorded layout's late buckets: per layout it
+        # scales with the bytes of its own (the rest is unpacked while backward goes on).
+        compute.finalize_bytes = CostModel(recorded, compute.copy_bytes_per_us).simulate(
+            layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).late_bytes
+        residual_us = self._unmodelled_time(compute, layout, recorded, how, timing,
+                                            compute_scale)
+        self.residual_us = residual_us * compute_scale
+        if compute_scale != 1.0:
+            compute = compute.scaled(compute_scale)
+            self.inputs.append(_input("compute scale", f"x {compute_scale:g}", "assumed",
+                                      "--compute-scale"))
+        self.compute = compute
+
+    def _without_recorded_contention(self, compute, layout, recorded, how, timing):
+        """Sets self.overlap_cost, what overlapped communication costs backward (0: free .. 1:
+        its whole duration), and returns the compute without what the recorded backward paid
+        for its own overlap (simulated with the link the profile was recorded on)."""
         overlapped_us = CostModel(recorded, compute.copy_bytes_per_us).simulate(
             layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).overlapped_us
-        if overlap == "measured":
+        if self.overlap == "measured":
             # The cost that turns the backward measured without communication into the
             # recorded one: (recorded - without) / overlapped, within [0, 1].
             pure_us = float(timing["backward_no_comm_us"])
@@ -248,40 +263,33 @@ class Planner:
                 "measured", f"backward {compute.backward_end_us / 1e3:.2f} ms with "
                 f"communication, {pure_us / 1e3:.2f} ms without; "
                 f"{overlapped_us / 1e3:.2f} ms overlapped in the recorded layout ({how})"))
-            compute = compute.without_contention(self.overlap_cost * overlapped_us)
-        else:
-            self.overlap_cost = overlap_cost(overlap)
-            if self.overlap_cost > 0:
-                compute = compute.without_contention(self.overlap_cost * overlapped_us)
-                self.inputs.append(_input(
-                    "backward without contention", f"recorded backward minus "
-                    f"{self.overlap_cost * overlapped_us / 1e3:.2f} ms of overlapped "
-                    f"communication", "assumed", how))
-        # The recorded copy back was that of the recorded layout's late buckets: per layout it
-        # scales with the bytes of its own (the rest is unpacked while backward goes on).
-        compute.finalize_bytes = CostModel(recorded, compute.copy_bytes_per_us).simulate(
-            layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).late_bytes
-        # Anchor on the one step that was measured: what the model misses in the recorded
-        # layout's step (rank skew, waits and gaps it does not see) is added to every
-        # prediction, scaled as compute, so the model answers how layouts *differ*.
-        residual_us = 0.0
+            return compute.without_contention(self.overlap_cost * overlapped_us)
+        self.overlap_cost = overlap_cost(self.overlap)
+        if self.overlap_cost == 0:
+            return compute
+        self.inputs.append(_input(
+            "backward without contention", f"recorded backward minus "
+            f"{self.overlap_cost * overlapped_us / 1e3:.2f} ms of overlapped communication",
+            "assumed", how))
+        return compute.without_contention(self.overlap_cost * overlapped_us)
+
+    def _unmodelled_time(self, compute, layout, recorded, how, timing, compute_scale):
+        """The anchor: what the model misses in the recorded layout's measured step (rank
+        skew, waits and gaps it does not see), added to every prediction (scaled as compute),
+        so that the model answers how layouts *differ*. 0 without a measured step."""
         measured_step_us = float(timing.get("step_us") or 0.0)
-        if measured_step_us > 0:
-            modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
-                                    self.overlap_cost)
-            residual_us = measured_step_us - modelled.step_us
-            self.inputs.append(_input(
-                "unmodelled time per step", f"{residual_us / 1e3:+.2f} ms"
-                + (f" (x {compute_scale:g})" if compute_scale != 1.0 else ""), "measured",
-                f"the profile's step {measured_step_us / 1e3:.2f} ms minus the model's "
-                f"{modelled.step_us / 1e3:.2f} ms for the recorded layout ({how}); added to "
-                f"every prediction"))
-        self.residual_us = residual_us * compute_scale
-        if compute_scale != 1.0:
-            compute = compute.scaled(compute_scale)
-            self.inputs.append(_input("compute scale", f"x {compute_scale:g}", "assumed",
-                                      "--compute-scale"))
-        self.compute = compute
+        if measured_step_us <= 0:
+            return 0.0
+        modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
+                                self.overlap_cost)
+        residual_us = measured_step_us - modelled.step_us
+        self.inputs.append(_input(
+            "unmodelled time per step", f"{residual_us / 1e3:+.2f} ms"
+            + (f" (x {compute_scale:g})" if compute_scale != 1.0 else ""), "measured",
+            f"the profile's step {measured_step_us / 1e3:.2f} ms minus the model's "
+            f"{modelled.step_us / 1e3:.2f} ms for the recorded layout ({how}); added to every "
+            f"prediction"))
+        return residual_us
 
     def layout(self, candidate):
         return self.gradients.layout(self.order, candidate)
