@@ -219,7 +219,7 @@ MUTATIONS = [
     dict(
         id="other-stream-gradients-not-waited",
         file=REDUCER_CPP,
-        edits=[("    if (packing != *produced_on) {", "    if (false) {")],
+        edits=[("    if (*packing != *produced_on) {", "    if (false) {")],
         why="a bucket packed on one stream reads gradients another stream is still writing "
             "(forward branches on side streams): stale values averaged. CUDA only",
         tests=["tests/test_gpu_ordering.py::test_gradients_from_several_streams_are_packed_after_their_stream"],
