@@ -13,9 +13,10 @@ measure  the validation in one interleaved run (what docs/PLANNING.md reports): 
          FusedReducer per (first, cap) cell of --sweep-first x --sweep-cap plus the recording
          one at --first-mb/--cap-mb, all with the same weights, stepped round by round on the
          same inputs (in a new random order every round, the same on every rank), so that
-         machine drift hits every cell alike; writes the cells as a step_bench-style sweep JSON (--json) and the recording
-         FusedReducer's profile to DIR/profile_<model>.json (--out). Only that one layout's
-         run is the profile: the cells are still predictions of layouts it did not run.
+         machine drift hits every cell alike, next to the unwrapped model (its backward without
+         communication); writes the cells as a step_bench-style sweep JSON (--json) and the
+         recording FusedReducer's profile to DIR/profile_<model>.json (--out). Only that one
+         layout's run is the profile: the cells are still predictions of layouts it did not run.
 record   runs step_bench's models and step (zero_grad + forward + loss + backward) under a
          FusedReducer with the given limits (default DDP's 1 MiB / 25 MiB) for --warmup + --steps
          steps and writes model.export_profile() to DIR/profile_<model>.json. Only the
@@ -81,8 +82,10 @@ def measure_worker(ctx, args):
     meta = common.collect_meta(ctx, extra={
         "benchmark": "plan_validate measure", "steps": args.steps, "warmup": args.warmup,
         "seed": args.seed, "recorded_limits_mb": [args.first_mb, args.cap_mb],
-        "step": "zero_grad + forward + loss + backward; slowest rank per step; every cell and "
-                "the recording reducer interleaved, one step each per round, in a random order per round (the same on every rank)"})
+        "step": "zero_grad + forward + loss + backward; per step the mean over ranks (and the "
+                "slowest rank); every cell, the recording reducer and the unwrapped model "
+                "interleaved, one step each per round, in a random order per round (the same "
+                "on every rank)"})
     rows, models_info = [], []
     for name in args.model:
         d = step_bench.MODEL_DEFAULTS[name]
@@ -292,18 +295,24 @@ def summarise(cells):
     return out
 
 
-def best_layout(cells):
-    """The same comparison per layout: cells that share a bucket layout are repeated
-    measurements of it, so a layout's measured time is the median of its cells; the predicted
-    best layout (its cells all predict the same) against the best of those medians."""
+def by_layout(cells):
+    """Cells grouped by (model, bucket sizes): cells that share a layout are repeated
+    measurements of it."""
     groups = {}
     for c in cells:
-        groups.setdefault(tuple(c["bucket_sizes"]), []).append(c)
+        groups.setdefault((c["model"], tuple(c["bucket_sizes"])), []).append(c)
+    return list(groups.values())
+
+
+def best_layout(cells):
+    """The same comparison per layout (one model's cells): a layout's measured time is the
+    median of its cells; the predicted best layout (its cells all predict the same) against the
+    best of those medians."""
     layouts = [{"cells": [[c["first_mb"], c["cap_mb"]] for c in g],
                 "buckets": len(g[0]["bucket_sizes"]),
                 "predicted_ms": statistics.median(c["predicted_ms"] for c in g),
                 "measured_ms": statistics.median(c["measured_ms"] for c in g)} for g in
-               groups.values()]
+               by_layout(cells)]
     predicted = min(layouts, key=lambda lay: lay["predicted_ms"])
     measured = min(layouts, key=lambda lay: lay["measured_ms"])
     return {"layouts": len(layouts), "predicted_best_layout": predicted,
@@ -316,11 +325,12 @@ def same_layout_spread(cells):
     """Median |measured - median of the cells with the same layout| / that median, over cells
     whose layout (bucket sizes) another cell shares: the error a perfect model would show on
     these measurements (noise and drift), None when no two cells share a layout."""
-    groups = {}
-    for c in cells:
-        groups.setdefault((c["model"], tuple(c["bucket_sizes"])), []).append(c["measured_ms"])
-    deviations = [100 * abs(t - statistics.median(ts)) / statistics.median(ts)
-                  for ts in groups.values() if len(ts) > 1 for t in ts]
+    deviations = []
+    for group in by_layout(cells):
+        times = [c["measured_ms"] for c in group]
+        if len(times) > 1:
+            middle = statistics.median(times)
+            deviations += [100 * abs(t - middle) / middle for t in times]
     return statistics.median(deviations) if deviations else None
 
 

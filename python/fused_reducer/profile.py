@@ -60,6 +60,8 @@ def export_profile(model, path):
     # The last bucket waits for whichever rank is slowest in *that* step: the median over
     # steps of the per-step slowest backward, not the slowest rank's median (which forgets the
     # step-to-step skew), when the ranks' recorded steps are the same ones.
+    # One MAX all-reduce: the step numbers and their negatives (max and min over ranks agree
+    # only if every rank holds the same steps), then the backward times themselves.
     recent = history[-int(steps):]
     numbers = [float(s["step"]) for s in recent]
     agreed = control_allreduce(numbers + [-n for n in numbers]
