@@ -55,10 +55,12 @@ written, time blocked in waits, and per bucket pack, ready->launch, launch->comp
 
 Collectives per step are counted independently of FusedReducer's stats, with torch.profiler on
 one extra step per wrapper: on CPU the c10d dispatcher op events 'c10d::allreduce_' (every
-ProcessGroup.allreduce, from DDP's reducer or from ours, goes through it); on GPU the NCCL
+ProcessGroup.allreduce, from DDP's reducer or from ours, goes through it) plus the
+'shm:all_reduce' events of FusedReducer's shared-memory transport (which bypasses c10d; it
+records one per bucket as it takes it, as gloo records 'gloo:all_reduce'); on GPU the NCCL
 all-reduce kernels ('nccl...AllReduce...', which also catches a transport that calls NCCL
-directly). Bytes per step come from the backend's 'gloo:all_reduce'/'nccl:all_reduce' events
-(shape x dtype); where there are none (FusedReducer's own NCCL transport) from
+directly). Bytes per step come from the backends' 'gloo:all_reduce'/'nccl:all_reduce'/
+'shm:all_reduce' events (shape x dtype); where there are none (FusedReducer's own NCCL transport) from
 FusedReducer.stats()['allreduce_bytes'] (the row says which).
 
 Exposed communication time = time from the moment the last gradient of the step is accumulated
@@ -247,7 +249,7 @@ def count_collectives(ctx, model, x, grad_as_view):
     with _quiet_native_stderr(), profile(activities=activities, record_shapes=True) as prof:
         train_step(ctx, model, x, grad_as_view)
         ctx.sync()
-    dispatcher, kernels, nbytes, backend = 0, 0, 0, 0
+    dispatcher, kernels, nbytes, backend, shm = 0, 0, 0, 0, 0
     for name, shapes, dtypes, on_device in _profiled_events(prof):
         if on_device:
             low = name.lower()
@@ -255,8 +257,9 @@ def count_collectives(ctx, model, x, grad_as_view):
                 kernels += 1
         elif name == "c10d::allreduce_":
             dispatcher += 1
-        elif name.endswith(":all_reduce"):  # gloo:all_reduce, nccl:all_reduce: [[numel]], [dtype]
+        elif name.endswith(":all_reduce"):  # gloo:, nccl:, shm:all_reduce: [[numel]], [dtype]
             backend += 1
+            shm += name == "shm:all_reduce"
             size = _ELEMENT_SIZE.get(str(dtypes[0])) if dtypes else None
             if nbytes is None or not shapes or not shapes[0] or size is None:
                 nbytes = None
@@ -264,6 +267,8 @@ def count_collectives(ctx, model, x, grad_as_view):
                 nbytes += math.prod(shapes[0]) * size
     if ctx.is_cuda:
         count, how = kernels, "profiler: NCCL AllReduce kernels"
+    elif shm:  # FusedReducer's shared-memory transport does not go through c10d
+        count, how = dispatcher + shm, "profiler: c10d::allreduce_ + shm:all_reduce events"
     else:
         count, how = dispatcher, "profiler: c10d::allreduce_ events"
     if not backend:

@@ -8,6 +8,7 @@
 #include "bucket_assignment.h"
 #include "bucket_copy.h"
 #include "process_group_transport.h"
+#include "shm_transport.h"
 #include "reducer.h"
 
 #ifdef FUSED_REDUCER_WITH_CUDA
@@ -260,6 +261,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fused_reducer::ProcessGroupTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::ProcessGroupTransport>>(m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"));
+  py::class_<fused_reducer::ShmTransport, fused_reducer::Transport,
+             std::shared_ptr<fused_reducer::ShmTransport>>(m, "ShmTransport")
+      .def(py::init([](const std::string& name, bool create, int rank, int world_size,
+                       int64_t chunk_bytes, double timeout_seconds) {
+             return std::make_shared<fused_reducer::ShmTransport>(
+                 name, create, rank, world_size, chunk_bytes,
+                 std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+           }),
+           py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("world_size"),
+           py::arg("chunk_bytes"), py::arg("timeout_seconds"))
+      .def("unlink", &fused_reducer::ShmTransport::unlink,
+           "Remove the segment's name once every rank has mapped it.")
+      .def("start_peer_checks", &fused_reducer::ShmTransport::start_peer_checks,
+           "Once every rank has mapped the segment: watch the peers' processes while waiting.");
 
   // Fused copy, exposed for the kernel tests and the copy benchmark.
   m.def("scaled_copy",

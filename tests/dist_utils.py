@@ -35,6 +35,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PG_TIMEOUT = 60
+
+# All-reduces as torch.profiler sees them, independently of FusedReducer.stats(): every collective
+# of a c10d process group is a 'c10d::allreduce_' op (its gloo backend adds a 'gloo:all_reduce'
+# event with the input's shape and dtype); FusedReducer's shared-memory transport (the default for
+# CPU ranks of one host) bypasses c10d and records one 'shm:all_reduce', with shape and dtype.
+ALLREDUCE_EVENTS = ("c10d::allreduce_", "shm:all_reduce")
+SHAPED_ALLREDUCE_EVENTS = ("gloo:all_reduce", "shm:all_reduce")
 HARNESS_MARGIN = 15
 _test_deadline = None  # time.monotonic() at which pytest-timeout fails the running test
 

@@ -39,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import SelectedChecks, assert_small, observe_ready_order, results
+from dist_utils import ALLREDUCE_EVENTS, SHAPED_ALLREDUCE_EVENTS, SelectedChecks, assert_small, observe_ready_order, results
 from test_bucket_layout import expected_layout
 from test_dropin_common import (
     ExtraNet, Net, StatNet, build, data, grads, local_average_grads, loss_of, max_diff, outcome,
@@ -47,8 +47,6 @@ from test_dropin_common import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ALLREDUCE_EVENT = "c10d::allreduce_"  # every collective of a c10d process group
-GLOO_EVENT = "gloo:all_reduce"  # with the input's shape and dtype
 ELEMENT = {"float": 4, "double": 8, "int": 4, "long int": 8, "c10::BFloat16": 2, "c10::Half": 2}
 GLOO_DTYPE = {torch.float32: "float", torch.float64: "double", torch.int32: "int"}
 ENV = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
@@ -582,15 +580,14 @@ def fused(module, **kwargs):
 
 
 def collectives(fn):
-    """What fn ran, from the profiler: (number of c10d::allreduce_ events, sorted (bytes, dtype)
-    of the gloo all-reduces)."""
+    """What fn ran, from the profiler: (number of all-reduces, sorted (bytes, dtype) of each);
+    see dist_utils.ALLREDUCE_EVENTS."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     count, moved = 0, []
     for e in prof.events():
-        if e.name == ALLREDUCE_EVENT:
-            count += 1
-        elif e.name == GLOO_EVENT:
+        count += e.name in ALLREDUCE_EVENTS
+        if e.name in SHAPED_ALLREDUCE_EVENTS:
             numel = 1
             for d in e.input_shapes[0]:
                 numel *= d
@@ -647,8 +644,9 @@ def check_defaults_and_stats(rank, world):
 
 
 def check_backend(rank, world):
-    """backend="auto" and "process_group" with CPU parameters: the buckets are the process
-    group's all-reduces (profiler); "nccl" for CPU parameters and an unknown name are refused."""
+    """backend="auto" (shared memory: both ranks on this host) and "process_group" with CPU
+    parameters: one all-reduce per bucket (profiler); "nccl" for CPU parameters and an unknown
+    name are refused."""
     out = {}
     limit = 600 / MiB  # Net in 2 buckets
     for backend in ("auto", "process_group"):
@@ -657,7 +655,8 @@ def check_backend(rank, world):
         step(m, opt, rank, 0)  # the first-step rebuild happens at the next forward
         state = {k: v.clone() for k, v in m.module.state_dict().items()}
         count, moved = collectives(lambda: step(m, opt, rank, 1))
-        out[backend] = {"transport": m.stats()["transport"], "count": count, "moved": moved,
+        out[backend] = {"transport": m.stats()["transport"], "backend": m.backend,
+                        "count": count, "moved": moved,
                         "sizes": m.bucket_sizes(),
                         "vs_reference": max_diff(local_average_grads(state, Net, rank, 1),
                                                  grads(m))}
@@ -1067,7 +1066,7 @@ def test_defaults_and_stats_step_count_synchronised_backwards(outcomes):
         # bucket_cap_mb=25, first bucket 1 MiB when nothing is set, last bucket off, own dtype
         assert r["limits"] == (MiB, 25 * MiB, 0, None), r["limits"]
         assert r["autotune"] == "not started"
-        assert r["transport"] == "process_group(gloo)"
+        assert r["transport"] == "shm"  # CPU ranks of one host
         assert r["step_before"] == 0
         # 3 synchronised backward passes; neither the no_sync one nor the unarmed one counts
         assert r["step"] == 3, r
@@ -1077,14 +1076,17 @@ def test_defaults_and_stats_step_count_synchronised_backwards(outcomes):
 
 
 @uses(check_backend)
-def test_backend_routes_buckets_through_the_process_group_or_is_refused(outcomes):
+def test_backend_routes_buckets_through_shared_memory_or_the_process_group_or_is_refused(
+        outcomes):
     import fused_reducer
     for r in results(outcomes, check_backend):
+        assert (r["auto"]["transport"], r["auto"]["backend"]) == ("shm", "shm"), r["auto"]
+        assert r["process_group"]["transport"] == "process_group(gloo)", r["process_group"]
+        assert r["process_group"]["backend"] == "process_group", r["process_group"]
         for backend in ("auto", "process_group"):
             s = r[backend]
-            assert s["transport"] == "process_group(gloo)", (backend, s)
             assert len(s["sizes"]) == 2, (backend, s)
-            assert s["count"] == 2, f"{backend}: {s['count']} process-group all-reduces"
+            assert s["count"] == 2, f"{backend}: {s['count']} all-reduces"
             assert s["moved"] == sorted((b, "float") for b in s["sizes"]), (backend, s)
             assert_small([s["vs_reference"]], f"{backend}: grads vs float64 average")
         assert r["nccl"][0] == "raised", "backend='nccl' with CPU parameters was accepted"

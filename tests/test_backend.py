@@ -6,8 +6,14 @@ import fused_reducer
 from fused_reducer.transport import resolve_backend
 
 
-def test_auto_picks_the_process_group_for_cpu_parameters():
-    assert resolve_backend("auto", torch.device("cpu")) == "process_group"
+def test_auto_tries_shared_memory_for_cpu_parameters():
+    # make_transport falls back to the process group when the ranks do not share a host
+    assert resolve_backend("auto", torch.device("cpu")) == "shm"
+
+
+def test_shm_for_cuda_parameters_is_refused_naming_the_device():
+    with pytest.raises(ValueError, match="shm.*cuda:0"):
+        resolve_backend("shm", torch.device("cuda", 0))
 
 
 def test_auto_picks_nccl_for_cuda_parameters_only_in_a_cuda_build():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import observe_ready_order, per_rank, run_checks
+from dist_utils import ALLREDUCE_EVENTS, observe_ready_order, per_rank, run_checks
 from test_bucket_assignment import reference_assign
 
 
@@ -103,7 +103,7 @@ def check_overlap(rank, world_size):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(x).sum().backward()
     events = prof.events()
-    allreduce = sorted(e.time_range.start for e in events if e.name == "c10d::allreduce_")
+    allreduce = sorted(e.time_range.start for e in events if e.name in ALLREDUCE_EVENTS)
     backward = sorted(e.time_range.start for e in events
                       if e.name.startswith("autograd::engine::evaluate_function: AddmmBackward"))
     return {"allreduces": len(allreduce), "first_allreduce": allreduce[0],

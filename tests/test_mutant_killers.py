@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import SelectedChecks, assert_small, observe_ready_order, results
+from dist_utils import ALLREDUCE_EVENTS, SelectedChecks, assert_small, observe_ready_order, results
 from test_dropin_common import (
     BNNet, ExtraNet, HIDDEN, Net, build, data, grads, loss_of, max_diff, outcome, params, sgd,
     same_on_all_ranks, side_group)
@@ -186,7 +186,7 @@ def check_first_bucket_persists(rank, world):
             "label": label, "first": model.first_bucket_bytes,
             "stats_first": model.stats()["first_bucket_bytes"],
             "buckets": len(model.bucket_sizes()),
-            "allreduces": sum(1 for e in prof.events() if e.name == "c10d::allreduce_")})
+            "allreduces": sum(1 for e in prof.events() if e.name in ALLREDUCE_EVENTS)})
 
     record("initial")
     record("after the automatic rebuild")

@@ -22,10 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dist_utils import per_rank, run_checks
+from dist_utils import ALLREDUCE_EVENTS, SHAPED_ALLREDUCE_EVENTS, per_rank, run_checks
 
-ALLREDUCE_EVENT = "c10d::allreduce_"
-GLOO_EVENT = "gloo:all_reduce"
 LR = 0.05
 HOOK = {torch.bfloat16: dh.bf16_compress_hook, torch.float16: dh.fp16_compress_hook}
 ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "int": 4, "long int": 8}
@@ -104,16 +102,15 @@ def step(model, rank, i, opt=None, **fwd):
 
 def allreduce_bytes(fn):
     """(collectives, bytes, dtypes) of the all-reduces `fn` runs, from the profiler,
-    independently of FusedReducer.stats(): c10d::allreduce_ events (every collective of a c10d
-    process group) counted, and their gloo:all_reduce events' input shapes and dtypes (the
-    c10d op records its TensorList without dtypes)."""
+    independently of FusedReducer.stats(): dist_utils.ALLREDUCE_EVENTS counted, and the input
+    shapes and dtypes of the SHAPED_ALLREDUCE_EVENTS (the c10d op records its TensorList
+    without dtypes)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     count, gloo_count, nbytes, dtypes = 0, 0, 0, set()
     for e in prof.events():
-        if e.name == ALLREDUCE_EVENT:
-            count += 1
-        elif e.name == GLOO_EVENT:
+        count += e.name in ALLREDUCE_EVENTS
+        if e.name in SHAPED_ALLREDUCE_EVENTS:
             gloo_count += 1
             numel = 1
             for d in e.input_shapes[0]:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
-from .transport import check_one_rank_per_gpu, make_transport, resolve_backend
+from .transport import backend_of, check_one_rank_per_gpu, make_transport, resolve_backend
 from .settings import (check_bytes, check_reduce_dtype, get_default_first_bucket_bytes,
                        megabytes_to_bytes)
 
@@ -43,7 +43,9 @@ class FusedReducer(nn.Module, Joinable):
 
     Like every torch.distributed API, construction, the setters and ``rebuild_buckets()`` are
     collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
-    how buckets move ("auto", "nccl", "process_group"); ``timeout`` bounds every wait on a
+    how buckets move: "auto" (NCCL for CUDA parameters; for CPU parameters shared memory when
+    every rank is on one host, else the process group), "nccl", "shm", "process_group"; the
+    ``backend`` attribute then names the one in use. ``timeout`` bounds every wait on a
     collective, after which the step raises naming the bucket.
 
     ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
@@ -104,7 +106,8 @@ class FusedReducer(nn.Module, Joinable):
                              "like DDP, each process must hold its replica on one device")
         self.device = devices.pop()
         _check_device_ids(device_ids, output_device, self.device)
-        self.backend = resolve_backend(backend, self.device)
+        self._backend_request = backend
+        self.backend = resolve_backend(backend, self.device)  # what _attach tries first
         self._timeout_s = timeout_s
         self._limits = (first_bytes, cap_bytes, last_bytes)  # kept for re-attaching after pickling
         self._reduce_dtype = reduce_dtype  # likewise
@@ -133,8 +136,10 @@ class FusedReducer(nn.Module, Joinable):
         # (rank-local buffers stay rank-local).
         self._broadcast(params + (list(self.module.buffers()) if self.broadcast_buffers else []), 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
-        self._transport = make_transport(self.process_group, self.device, self.backend,
+        self._transport = make_transport(self.process_group, self.device,
+                                         getattr(self, "_backend_request", self.backend),
                                          self._timeout_s, check_devices=False)
+        self.backend = backend_of(self._transport)  # 'auto' on CPU may have fallen back
         first_bytes, cap_bytes, last_bytes = self._limits
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device),

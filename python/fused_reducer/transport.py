@@ -1,12 +1,17 @@
-"""Choosing how buckets move: NCCL directly (CUDA builds, CUDA parameters) or any process group."""
+"""Choosing how buckets move: NCCL directly (CUDA builds, CUDA parameters), shared memory (CPU
+parameters, every rank on one host), or any process group."""
+import os
 import socket
+import uuid
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 
-BACKENDS = ("auto", "nccl", "process_group")
+BACKENDS = ("auto", "nccl", "shm", "process_group")
+SHM_CHUNK_BYTES = 4 << 20  # per slot; a bucket is summed in chunks of this size (Note [Shared-memory all-reduce])
+_SHM_MIN_CHUNK_BYTES = 256 << 10
 
 
 def nccl_built():
@@ -14,11 +19,15 @@ def nccl_built():
 
 
 def resolve_backend(backend, device):
-    """'auto' -> 'nccl' for CUDA parameters in a CUDA build, else 'process_group'."""
+    """The transport to try: 'auto' -> 'nccl' for CUDA parameters in a CUDA build, 'shm' for CPU
+    parameters (make_transport falls back to 'process_group' when the ranks do not share a
+    host), else 'process_group'. An explicit choice is checked against the device."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "nccl" if device.type == "cuda" and nccl_built() else "process_group"
+        if device.type == "cuda" and nccl_built():
+            return "nccl"
+        return "shm" if device.type == "cpu" else "process_group"
     if backend == "nccl":
         if not nccl_built():
             raise RuntimeError(
@@ -29,6 +38,10 @@ def resolve_backend(backend, device):
             raise ValueError(
                 f"backend='nccl' needs parameters on a CUDA device, but they are on {device}; "
                 "move the model to CUDA first, or use backend='process_group'")
+    if backend == "shm" and device.type != "cpu":
+        raise ValueError(
+            f"backend='shm' sums CPU buckets through shared memory, but the parameters are on "
+            f"{device}; use backend='auto' (NCCL for CUDA) or backend='process_group'")
     return backend
 
 
@@ -38,9 +51,21 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     For NCCL, rank 0 of `group` makes the communicator id and shares it with a broadcast over
     `group` (staged on `device` when the group is an NCCL group, so no rank touches another
     GPU); every rank then joins on `device` (raises after `timeout_s` if a rank never joins).
+    For shm, the ranks agree through the group's store; with backend='auto' a group whose ranks
+    cannot share memory (several hosts, no room in /dev/shm) gets the process group instead, with
+    backend='shm' it raises.
     """
     device = torch.device(device)
+    requested = backend
     backend = resolve_backend(backend, device)
+    if backend == "shm":
+        transport, why_not = shm_transport(group, timeout_s)
+        if transport is not None:
+            return transport
+        if requested == "shm":
+            raise RuntimeError(f"FusedReducer: backend='shm' cannot be used: {why_not}; use "
+                               "backend='process_group' (or 'auto', which falls back to it)")
+        backend = "process_group"
     if backend == "process_group":
         return _C.ProcessGroupTransport(group)
     if device.index is None:
@@ -55,6 +80,66 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     return _C.NcclTransport(box[0], rank, world, device.index, timeout_s)
 
 
+def backend_of(transport):
+    """'nccl', 'shm' or 'process_group': which kind of transport this is."""
+    name = transport.name
+    return "process_group" if name.startswith("process_group") else name.split("(")[0]
+
+
+def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
+    """(ShmTransport, None) when every rank of `group` maps one shared segment, else (None, why).
+    Collective over the group's store; every rank returns the same kind of answer."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hosts = exchange(group, "shm-host", socket.gethostname())
+    if len(set(hosts)) > 1:
+        return None, f"the ranks are on several hosts ({', '.join(sorted(set(hosts)))})"
+    created = ""
+    if rank == 0:
+        chunk = _shm_chunk_bytes(world, chunk_bytes)
+        name = f"/fused_reducer_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        try:
+            if chunk is None:
+                raise RuntimeError("/dev/shm has too little free space "
+                                   f"(needs {2 * (world + 1) * _SHM_MIN_CHUNK_BYTES >> 20} MiB)")
+            transport = _C.ShmTransport(name, True, 0, world, chunk, timeout_s)
+            created = f"{name}\t{chunk}"
+        except RuntimeError as e:
+            created = f"!rank 0: {e}"
+    created = exchange(group, "shm-create", created)[0]
+    if created.startswith("!"):
+        return None, created[1:]
+    name, chunk = created.split("\t")
+    outcome = "ok"
+    if rank != 0:
+        try:
+            transport = _C.ShmTransport(name, False, rank, world, int(chunk), timeout_s)
+        except RuntimeError as e:
+            transport, outcome = None, f"rank {rank}: {e}"
+    outcomes = exchange(group, "shm-attach", outcome)
+    if rank == 0:
+        transport.unlink()  # every rank has mapped it, or given up
+    failures = [o for o in outcomes if o != "ok"]
+    if failures:
+        if transport is not None:
+            transport.close(0.0)
+        return None, failures[0]
+    transport.start_peer_checks()
+    return transport, None
+
+
+def _shm_chunk_bytes(world, preferred):
+    """The largest chunk up to `preferred` whose two slot sets fit in half of /dev/shm's free
+    space (containers often give it only 64 MiB), or None below 256 KiB."""
+    try:
+        stat = os.statvfs("/dev/shm")
+        free = stat.f_bavail * stat.f_frsize
+    except OSError:
+        return None
+    chunk = preferred
+    while chunk >= _SHM_MIN_CHUNK_BYTES and 2 * (world + 1) * chunk > free // 2:
+        chunk //= 2
+    return chunk if chunk >= _SHM_MIN_CHUNK_BYTES else None
+
 def control_allreduce(values, op, group, device):
     """All-reduce a few numbers (float64) across `group` with `op`, staged on `device` (the
     model's control device: the rank's GPU for an NCCL group, which has no CPU backend, else
@@ -65,7 +150,6 @@ def control_allreduce(values, op, group, device):
 
 
 # -- one rank per GPU -------------------------------------------------------------------------
-_exchange_rounds = {}  # per group: how many identity exchanges so far (same sequence on all ranks)
 
 
 def gpu_identity(device):
@@ -91,15 +175,8 @@ def check_one_rank_per_gpu(group, device, identity=None):
     """Refuse, on every rank and before NCCL does ("Duplicate GPU detected"), ranks that share a
     GPU. The identities travel through the group's store, not through NCCL."""
     identity = identity or gpu_identity(device)
-    store = _group_store(group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    key = dist.distributed_c10d._get_process_group_name(group) if hasattr(
-        dist.distributed_c10d, "_get_process_group_name") else str(id(group))
-    round_ = _exchange_rounds.get(key, 0)
-    _exchange_rounds[key] = round_ + 1
-    prefix = f"fused_reducer/gpu_identity/{key}/{round_}/"
-    store.set(prefix + str(rank), "\t".join(identity))
-    identities = [tuple(store.get(prefix + str(r)).decode().split("\t")) for r in range(world)]
+    identities = [tuple(text.split("\t"))
+                  for text in exchange(group, "gpu_identity", "\t".join(identity))]
     clashes = shared_gpus(identities)
     if clashes:
         host, shared, ranks = clashes[0]
@@ -110,6 +187,24 @@ def check_one_rank_per_gpu(group, device, identity=None):
             "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) and move the model to "
             "f\"cuda:{local_rank}\" before wrapping it (torchrun sets LOCAL_RANK), or give each "
             "rank its own GPU with CUDA_VISIBLE_DEVICES.")
+
+
+# -- agreeing through the store -----------------------------------------------------------------
+_exchange_rounds = {}  # per (group, topic): exchanges so far (the same sequence on every rank)
+
+
+def exchange(group, topic, text):
+    """Every rank's `text`, in rank order, through the group's store: works for any backend and
+    on any device, before a communicator exists. Collective over `group`."""
+    store = _group_store(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    key = dist.distributed_c10d._get_process_group_name(group) if hasattr(
+        dist.distributed_c10d, "_get_process_group_name") else str(id(group))
+    round_ = _exchange_rounds.get((key, topic), 0)
+    _exchange_rounds[(key, topic)] = round_ + 1
+    prefix = f"fused_reducer/{topic}/{key}/{round_}/"
+    store.set(prefix + str(rank), text)
+    return [store.get(prefix + str(r)).decode() for r in range(world)]
 
 
 def _group_store(group):
