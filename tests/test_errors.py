@@ -339,7 +339,7 @@ def die_before_backward(rank, world_size):
         try:
             loss.backward()
         except Exception as e:  # noqa: BLE001
-            return step, type(e).__name__, str(e), time.monotonic() - start
+            return step, type(e).__name__, str(e), time.monotonic() - start, model.backend
     return "no error"
 
 
@@ -348,8 +348,11 @@ def test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket():
     status, payload = outcomes[0]
     assert status == "ok", payload
     assert payload != "no error"
-    step, kind, message, elapsed = payload
+    step, kind, message, elapsed, backend = payload
     assert step == 2
     assert kind == "RuntimeError", message
     assert "bucket" in message and "all-reduce" in message, message
+    if backend == "shm":  # both ranks on this host: the transport watches the peer's process
+        assert "rank 1 (pid" in message and "exited" in message, message
+        assert elapsed < 10, elapsed
     assert elapsed < 60, elapsed

@@ -99,8 +99,8 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
         name = f"/fused_reducer_{os.getpid()}_{uuid.uuid4().hex[:12]}"
         try:
             if chunk is None:
-                raise RuntimeError("/dev/shm has too little free space "
-                                   f"(needs {2 * (world + 1) * _SHM_MIN_CHUNK_BYTES >> 20} MiB)")
+                needs = 4 * (world + 1) * min(chunk_bytes, _SHM_MIN_CHUNK_BYTES)
+                raise RuntimeError(f"/dev/shm has too little free space (needs {needs >> 10} KiB)")
             transport = _C.ShmTransport(name, True, 0, world, chunk, timeout_s)
             created = f"{name}\t{chunk}"
         except RuntimeError as e:
@@ -129,24 +129,17 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
 
 def _shm_chunk_bytes(world, preferred):
     """The largest chunk up to `preferred` whose two slot sets fit in half of /dev/shm's free
-    space (containers often give it only 64 MiB), or None below 256 KiB."""
+    space (containers often give it only 64 MiB), or None when not even 256 KiB (or `preferred`,
+    if smaller) does."""
     try:
         stat = os.statvfs("/dev/shm")
         free = stat.f_bavail * stat.f_frsize
     except OSError:
         return None
-    chunk = preferred
-    while chunk >= _SHM_MIN_CHUNK_BYTES and 2 * (world + 1) * chunk > free // 2:
+    chunk, floor = preferred, min(preferred, _SHM_MIN_CHUNK_BYTES)
+    while chunk > floor and 2 * (world + 1) * chunk > free // 2:
         chunk //= 2
-    return chunk if chunk >= _SHM_MIN_CHUNK_BYTES else None
-
-def control_allreduce(values, op, group, device):
-    """All-reduce a few numbers (float64) across `group` with `op`, staged on `device` (the
-    model's control device: the rank's GPU for an NCCL group, which has no CPU backend, else
-    the CPU); returns them as a list. The library's own small agreements go through here."""
-    agreed = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=op, group=group)
-    return agreed.tolist()
+    return chunk if 2 * (world + 1) * chunk <= free // 2 else None
 
 
 # -- one rank per GPU -------------------------------------------------------------------------
