@@ -124,7 +124,8 @@ def make_ddp_hook(module, ctx, first_mb, cap_mb, grad_as_view, reduce_dtype):
     return ddp
 
 
-def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False, reduce_dtype=None):
+def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False, reduce_dtype=None,
+               backend="auto"):
     """FusedReducer with DDP's limits. With a 2-byte reduce_dtype the limits count bytes of the
     reduce dtype (Note [Reduce dtype]), so they are halved: the same parameters per bucket as
     DDP's fp32 buckets."""
@@ -132,7 +133,7 @@ def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False, reduce_dt
     factor = 0.5 if reduce_dtype in (torch.bfloat16, torch.float16) else 1.0
     return FusedReducer(module, bucket_cap_mb=cap_mb * factor, first_bucket_mb=first_mb * factor,
                         gradient_as_bucket_view=grad_as_view, autotune=autotune,
-                        reduce_dtype=reduce_dtype)
+                        reduce_dtype=reduce_dtype, backend=backend)
 
 
 def fused_bytes_as_fp32(fused, reduce_dtype):
@@ -278,7 +279,7 @@ def count_collectives(ctx, model, x, grad_as_view):
 
 # -- one configuration --------------------------------------------------------------------------
 AA_NAMES = {"ddp": "ddp_aa", "fused": "fused_aa"}
-FUSED_KINDS = ("fused", "fused_aa", "tuned")
+FUSED_KINDS = ("fused", "fused_aa", "fused_pg", "tuned")
 
 
 def fused_telemetry(history):
@@ -313,8 +314,13 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     gv = args.grad_as_bucket_view
     rd = args.reduce_dtype
     ddp = make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)
-    fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, reduce_dtype=rd)
+    backend = args.transport
+    fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, reduce_dtype=rd,
+                       backend=backend)
     variants = [("ddp", ddp), ("fused", fused)]
+    if args.fused_pg:  # the same reducer on DDP's own transport: what the reducer alone gives
+        variants.append(("fused_pg", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv,
+                                                reduce_dtype=rd, backend="process_group")))
     # With --reduce-dtype, FusedReducer's gradients are compared with DDP + compress hook's.
     twin = ddp
     if rd is not None:
@@ -324,11 +330,11 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         variants.append(("ddp_aa", make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)))
     elif args.aa == "fused":
         variants.append(("fused_aa", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv,
-                                                reduce_dtype=rd)))
+                                                reduce_dtype=rd, backend=backend)))
     tuned = None
     if args.autotune:  # starts from the same limits, then picks its own
         tuned = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, autotune=True,
-                           reduce_dtype=rd)
+                           reduce_dtype=rd, backend=backend)
         variants.append(("tuned", tuned))
     if args.baseline:
         variants.append(("local", spec.build(ctx.device)))
@@ -776,6 +782,12 @@ def describe_config(config_rows):
         line += (f"; A/A {fused['aa']} {fused['aa_ratio']:.3f} (interval {alo:.3f}-{ahi:.3f}): "
                  f"noise band +-{abs(fused['aa_ratio'] - 1):.3f}")
     lines.append(line)
+    lines.append("#   transports: " + ", ".join(
+        f"{name} {by[name]['stats']['transport']}" for name in FUSED_KINDS
+        if "stats" in by.get(name, {})))
+    if "fused_pg" in by:
+        lines.append(f"#   fused_pg/DDP {by['fused_pg']['ratio_to_ddp']:.3f} (the reducer alone: "
+                     "FusedReducer on DDP's process group)")
     for name in FUSED_KINDS:
         tel = by.get(name, {}).get("telemetry")
         if not tel:
@@ -877,6 +889,12 @@ def build_parser():
                         "same limits) and plain fp32 DDP; gradients are compared with the hook's")
     b.add_argument("--grad-as-bucket-view", action="store_true",
                    help="gradient_as_bucket_view=True for both wrappers")
+    b.add_argument("--transport", choices=("auto", "shm", "process_group", "nccl"), default="auto",
+                   help="FusedReducer's transport (default auto: NCCL for CUDA; for CPU ranks of "
+                        "one host shared memory, else the process group DDP uses)")
+    b.add_argument("--fused-pg", action="store_true",
+                   help="also time FusedReducer(backend='process_group') (row fused_pg): the "
+                        "same reducer on DDP's own transport")
     r = parser.add_argument_group("measurement")
     r.add_argument("--steps", type=_positive_int, default=20,
                    help="timed steps per wrapper and configuration (default 20)")

@@ -113,7 +113,7 @@ COVERAGE = {
         "test_collective_counts.py::test_runtime_first_bucket_change_gives_one_allreduce_and_survives_forced_rebuilds",
         "test_autotune.py::test_stats_have_per_bucket_telemetry_of_the_last_step",
         A + "test_defaults_and_stats_step_count_synchronised_backwards",
-        A + "test_backend_routes_buckets_through_the_process_group_or_is_refused",
+        A + "test_backend_routes_buckets_through_shared_memory_or_the_process_group_or_is_refused",
         "test_gpu.py::test_fused_reducer_on_nccl_matches_ddp",
     ],
     "`no_sync()`": [
@@ -168,10 +168,11 @@ COVERAGE = {
         A + "test_defaults_and_stats_step_count_synchronised_backwards",
     ],
     "`backend`": [
-        "test_backend.py::test_auto_picks_the_process_group_for_cpu_parameters",
+        "test_backend.py::test_auto_tries_shared_memory_for_cpu_parameters",
         "test_backend.py::test_auto_picks_nccl_for_cuda_parameters_only_in_a_cuda_build",
         "test_backend.py::test_nccl_for_cpu_parameters_is_refused_naming_the_device",
-        A + "test_backend_routes_buckets_through_the_process_group_or_is_refused",
+        A + "test_backend_routes_buckets_through_shared_memory_or_the_process_group_or_is_refused",
+        "test_shm_transport.py::test_auto_falls_back_to_the_process_group_across_hosts_and_shm_raises",
         "test_gpu.py::test_fused_reducer_on_nccl_matches_ddp",
         "test_gpu_ordering.py::test_two_ranks_on_one_gpu_over_gloo_match_ddp",
     ],
@@ -208,7 +209,8 @@ COVERAGE = {
     "collectives": [
         "test_gpu.py::test_fused_reducer_on_nccl_matches_ddp",
         "test_gpu_ordering.py::test_allreduce_waits_for_the_filling_stream_and_readers_wait_for_it",
-        A + "test_backend_routes_buckets_through_the_process_group_or_is_refused",
+        A + "test_backend_routes_buckets_through_shared_memory_or_the_process_group_or_is_refused",
+        "test_shm_transport.py::test_sums_match_float64_and_gloo_across_chunks_and_replicas_are_identical",
     ],
     "shapes differing across ranks (gloo)": [
         "test_errors.py::test_shape_mismatch_across_ranks_names_first_parameter_and_both_shapes_on_every_rank",

@@ -142,6 +142,15 @@ def _shm_chunk_bytes(world, preferred):
     return chunk if 2 * (world + 1) * chunk <= free // 2 else None
 
 
+def control_allreduce(values, op, group, device):
+    """All-reduce a few numbers (float64) across `group` with `op`, staged on `device` (the
+    model's control device: the rank's GPU for an NCCL group, which has no CPU backend, else
+    the CPU); returns them as a list. The library's own small agreements go through here."""
+    agreed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=op, group=group)
+    return agreed.tolist()
+
+
 # -- one rank per GPU -------------------------------------------------------------------------
 
 
