@@ -15,7 +15,8 @@ import statistics
 
 IMPL_NAMES = {"ddp": "DDP", "fused": "FusedReducer", "ddp_aa": "DDP (A/A twin)",
               "fused_aa": "FusedReducer (A/A twin)", "tuned": "FusedReducer autotune",
-              "local": "no wrapper", "ddp_hook": "DDP + compress hook"}
+              "local": "no wrapper", "ddp_hook": "DDP + compress hook",
+              "fused_pg": "FusedReducer on the process group"}
 
 
 def step_table(data):
@@ -168,9 +169,10 @@ def main(argv=None):
     parser.add_argument("paths", nargs="+", help="JSON files written by the benchmarks")
     parser.add_argument("--summary", action="store_true",
                         help="one table over repeated step_bench runs (one row per model)")
-    parser.add_argument("--impl", choices=("fused", "tuned"), default="fused",
-                        help="with --summary: compare FusedReducer (fused) or the autotuned "
-                             "FusedReducer (tuned) with DDP")
+    parser.add_argument("--impl", choices=("fused", "tuned", "fused_pg"), default="fused",
+                        help="with --summary: compare FusedReducer (fused), the autotuned "
+                             "FusedReducer (tuned) or FusedReducer on the process group "
+                             "(fused_pg, step_bench --fused-pg) with DDP")
     parser.add_argument("--targets", action="store_true",
                         help="with --summary: add the issue-10 acceptance checks")
     parser.add_argument("--bars", metavar="FILE.png",

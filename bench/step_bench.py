@@ -396,6 +396,16 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         progress(f"{label}: timed step {done}/{args.steps}")
     telemetry = {name: fused_telemetry(model.step_history()[-args.steps:])
                  for name, model in variants if name in FUSED_KINDS}
+    if args.trace_dir and ctx.rank == 0:  # the last timed steps as a timeline per transport
+        from autotune_bench import render_trace
+        for name, model in variants:
+            if name in FUSED_KINDS:
+                stem = os.path.join(args.trace_dir, f"{spec.name}_{name}")
+                common.ensure_parent(stem + ".json")
+                model.export_trace(stem + ".json", steps=2)
+                render_trace(stem + ".json", stem + ".png",
+                             title=f"{spec.name}, {name} ({model.stats()['transport']}), world "
+                                   f"{ctx.world_size}: last 2 timed steps of rank 0")
 
     exposed, collectives = {}, {}
     for name, model in variants:
@@ -918,6 +928,9 @@ def build_parser():
                    help="also time the bare model without any wrapper or communication ('local')")
     r.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
     o = parser.add_argument_group("output")
+    o.add_argument("--trace-dir", metavar="DIR",
+                   help="rank 0 writes each FusedReducer variant's last 2 timed steps as a Chrome "
+                        "trace and a timeline picture: DIR/<model>_<variant>.json/.png")
     o.add_argument("--json", metavar="FILE",
                    help="write {meta, settings, models, grid, rows} to FILE; one row per (model, "
                         "first, cap, impl) with median_ms, p90_ms, collectives_per_step, "

@@ -462,4 +462,59 @@ MUTATIONS = [
             "slower than a step's queued buckets",
         tests=["tests/test_bench.py::test_allreduce_bw_queues_its_timed_operations_unless_told_to_wait"],
     ),
+    # -- the shared-memory transport ---------------------------------------------------------
+    dict(
+        id="shm-sum-drops-last-rank",
+        file="ext/shm_transport.cpp",
+        edits=[("    for (size_t r = 2; r < in.size(); ++r) {\n      const T* c = in[r];",
+                "    for (size_t r = 2; r + 1 < in.size(); ++r) {\n      const T* c = in[r];")],
+        why="the float sum stops one rank early: exact with two ranks, while with three every "
+            "fp32 gradient misses the last rank's share",
+        tests=["tests/test_shm_transport.py::test_sums_match_float64_and_gloo_across_chunks_and_replicas_are_identical"],
+    ),
+    dict(
+        id="shm-part-misses-a-line",
+        file="ext/shm_transport.cpp",
+        edits=[("    const int64_t hi = std::min(len, lo + part);",
+                "    const int64_t hi = std::min(len, lo + part - per_line);")],
+        why="each rank sums one cache line less than its part of the chunk: those elements keep "
+            "whatever the result slot held before (another chunk's sums)",
+        tests=["tests/test_shm_transport.py::test_sums_match_float64_and_gloo_across_chunks_and_replicas_are_identical"],
+    ),
+    dict(
+        id="shm-no-bucket-size-check",
+        file="ext/shm_transport.cpp",
+        edits=[("    if (start == 0) {\n      for (int r = 0; r < world_; ++r) {",
+                "    if (false) {\n      for (int r = 0; r < world_; ++r) {")],
+        why="ranks reducing buckets of different sizes (models that differ) are not told: the "
+            "sums silently mix unrelated gradients, or ranks fall out of step and time out",
+        tests=["tests/test_shm_transport.py::test_different_buckets_across_ranks_raise_on_every_rank_naming_the_sizes"],
+    ),
+    dict(
+        id="shm-zombie-peer-alive",
+        file="ext/shm_transport.cpp",
+        edits=[("  return state == nullptr || state[1] == '\\0' || (state[2] != 'Z' && state[2] != 'X');",
+                "  return true;")],
+        why="a peer that exited but is not yet reaped (a zombie: kill() still succeeds) counts "
+            "as alive: the survivor waits out the whole timeout (10 minutes) instead of raising",
+        tests=["tests/test_errors.py::test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket"],
+    ),
+    dict(
+        id="shm-close-leaves-peers-waiting",
+        file="ext/shm_transport.cpp",
+        edits=[("  worker_.join();\n  // Peers still waiting for this rank fail at once instead of at their timeout.\n  stop_peers();",
+                "  worker_.join();")],
+        why="a rank that closes its FusedReducer does not mark the segment: peers blocked on it "
+            "wait out their timeout instead of failing at once naming it",
+        tests=["tests/test_shm_transport.py::test_a_peer_that_closes_makes_the_waiting_ranks_raise_promptly_naming_it"],
+    ),
+    dict(
+        id="shm-auto-no-fallback",
+        file="python/fused_reducer/transport.py",
+        edits=[("        if requested == \"shm\":\n            raise RuntimeError(",
+                "        if True:\n            raise RuntimeError(")],
+        why="backend='auto' raises where shared memory cannot be used (ranks on several hosts, a "
+            "full /dev/shm) instead of using the process group: multi-node CPU training breaks",
+        tests=["tests/test_shm_transport.py::test_auto_falls_back_to_the_process_group_across_hosts_and_shm_raises"],
+    ),
 ]
