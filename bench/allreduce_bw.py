@@ -17,8 +17,9 @@ Method (as all_reduce_perf):
   * '# Avg bus bandwidth' = mean of every busbw cell (out-of-place and in-place) of an impl.
 
 Implementations (--impl):
-  fused   FusedReducer's own transport (fused_reducer.make_transport: NCCL on GPU builds, the
-          c10d process group on CPU) on a flat buffer, the path a gradient bucket takes.
+  fused   FusedReducer's own transport (fused_reducer.make_transport: NCCL on GPU builds; on CPU
+          shared memory when every rank is on one host, else the c10d process group;
+          --transport picks one) on a flat buffer, the path a gradient bucket takes.
   torch   torch.distributed.all_reduce.
   cupy    raw NCCL through cupy.cuda.nccl (GPU runs with cupy installed; else listed as skipped).
   --launch queued (default, as all_reduce_perf enqueues its -n operations on a stream and
@@ -152,12 +153,14 @@ class FusedImpl(Impl):
     """FusedReducer's transport on its own flat buffer (the bucket path)."""
     name = "fused"
 
-    def __init__(self, ctx, timeout):
+    def __init__(self, ctx, timeout, transport="auto"):
         import fused_reducer
         self.timeout = timeout
         group = dist.group.WORLD
-        # NCCL for CUDA tensors in a CUDA build, else the process group: as a FusedReducer would.
-        self.transport = fused_reducer.make_transport(group, ctx.device, timeout_s=timeout)
+        # As a FusedReducer would: NCCL for CUDA tensors in a CUDA build; CPU ranks of one host
+        # shared memory; else the process group (--transport overrides).
+        self.transport = fused_reducer.make_transport(group, ctx.device, transport,
+                                                      timeout_s=timeout)
 
     def describe(self):
         return f"fused [{self.transport.name}]"
@@ -224,7 +227,7 @@ def make_impls(ctx, args):
     impls, skipped = [], {}
     for name in args.impl:
         if name == "fused":
-            impls.append(FusedImpl(ctx, args.timeout))
+            impls.append(FusedImpl(ctx, args.timeout, args.transport))
         elif name == "torch":
             impls.append(TorchImpl(ctx))
         elif name == "cupy":
@@ -522,6 +525,11 @@ def build_parser():
     parser.add_argument("--impl", type=_impls, default=list(IMPLS),
                         help="comma list of implementations, measured side by side: "
                              "fused,torch,cupy (default all; cupy is skipped without CUDA+cupy)")
+    parser.add_argument("--transport", choices=("auto", "shm", "process_group", "nccl"),
+                        default="auto",
+                        help="the transport of impl fused (default auto, as FusedReducer: NCCL "
+                             "for CUDA, shared memory for CPU ranks of one host, else the "
+                             "process group)")
     parser.add_argument("--json", metavar="FILE",
                         help="write {meta, rows:[{impl, bytes, dtype, inplace, time_us, "
                              "algbw_GBps, busbw_GBps, wrong}]} to FILE")
