@@ -93,7 +93,7 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     hosts = exchange(group, "shm-host", socket.gethostname())
     if len(set(hosts)) > 1:
         return None, f"the ranks are on several hosts ({', '.join(sorted(set(hosts)))})"
-    created = ""
+    created, transport = "", None
     if rank == 0:
         chunk = _shm_chunk_bytes(world, chunk_bytes)
         name = f"/fused_reducer_{os.getpid()}_{uuid.uuid4().hex[:12]}"
@@ -103,21 +103,23 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
                 raise RuntimeError(f"/dev/shm has too little free space (needs {needs >> 10} KiB)")
             transport = _C.ShmTransport(name, True, 0, world, chunk, timeout_s)
             created = f"{name}\t{chunk}"
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - every rank must get an answer
             created = f"!rank 0: {e}"
-    created = exchange(group, "shm-create", created)[0]
-    if created.startswith("!"):
-        return None, created[1:]
-    name, chunk = created.split("\t")
-    outcome = "ok"
-    if rank != 0:
-        try:
-            transport = _C.ShmTransport(name, False, rank, world, int(chunk), timeout_s)
-        except RuntimeError as e:
-            transport, outcome = None, f"rank {rank}: {e}"
-    outcomes = exchange(group, "shm-attach", outcome)
-    if rank == 0:
-        transport.unlink()  # every rank has mapped it, or given up
+    try:
+        created = exchange(group, "shm-create", created)[0]
+        if created.startswith("!"):
+            return None, created[1:]
+        name, chunk = created.split("\t")
+        outcome = "ok"
+        if rank != 0:
+            try:
+                transport = _C.ShmTransport(name, False, rank, world, int(chunk), timeout_s)
+            except Exception as e:  # noqa: BLE001 - every rank must get an answer
+                transport, outcome = None, f"rank {rank}: {e}"
+        outcomes = exchange(group, "shm-attach", outcome)
+    finally:
+        if rank == 0 and transport is not None:
+            transport.unlink()  # every rank has mapped it or given up (or the store failed)
     failures = [o for o in outcomes if o != "ok"]
     if failures:
         if transport is not None:
