@@ -186,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("reduce_dtype") = py::none())
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
+      .def("on_outputs_reached", &Reducer::on_outputs_reached,
+           py::call_guard<py::gil_scoped_release>())
       .def("set_sync_enabled", &Reducer::set_sync_enabled)
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("ranks"))
       .def("set_comm_hook",

@@ -89,17 +89,8 @@ void NcclTransport::close(std::chrono::milliseconds deadline) {
   comm_->close(deadline);
 }
 
-bool NcclTransport::averages() const {
-  static const bool has_avg = nccl_version() >= 21000;  // ncclAvg arrived in NCCL 2.10
-  return has_avg;
-}
-
 std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum(at::Tensor& flat) {
   return allreduce(flat, ncclSum);
-}
-
-std::unique_ptr<PendingCollective> NcclTransport::allreduce_average(at::Tensor& flat) {
-  return allreduce(flat, ncclAvg);
 }
 
 std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op) {

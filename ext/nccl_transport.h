@@ -46,8 +46,6 @@ class NcclTransport : public Transport {
   ~NcclTransport() override;
 
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
-  std::unique_ptr<PendingCollective> allreduce_average(at::Tensor& flat) override;
-  bool averages() const override;  // ncclAvg: NCCL >= 2.10
   std::string name() const override;
   void check() override;
   void close(std::chrono::milliseconds deadline) override;

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -205,6 +206,7 @@ void Reducer::on_gradient_ready(int64_t index) {
     if (!sync_enabled_ && params_[index].grad().defined()) {
       locally_used_[index] = 1;
     }
+    check_not_decided_unused(index);
     return;
   }
   TORCH_CHECK(!ready_[index],
@@ -218,9 +220,7 @@ void Reducer::on_gradient_ready(int64_t index) {
               "' produced a sparse gradient, which FusedReducer does not reduce; "
               "use a dense gradient (e.g. nn.Embedding(sparse=False)).");
   if (!callback_queued_) {
-    // Finish the iteration when this backward ends, wherever it ends.
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
-    callback_queued_ = true;
+    queue_finalize();  // See Note [End of backward]
   }
   const double now = now_us();
   if (ready_order_.empty()) {
@@ -253,6 +253,54 @@ void Reducer::on_gradient_ready(int64_t index) {
   if (!options_.find_unused_parameters) {
     unpack_completed_buckets();
   }
+}
+
+// Note [End of backward]
+// The step ends in a callback queued on the autograd graph task (one backward
+// pass) that is running: the first hook of the step queues it, so it runs
+// when that backward ends. With reentrant checkpointing
+// (torch.utils.checkpoint(..., use_reentrant=True)) the first gradients can
+// come from a nested backward that the checkpoint runs inside the outer one;
+// its end comes before the outer backward reaches the parameters outside the
+// checkpoint. Without find_unused_parameters, finalize_backward sees those
+// parameters not ready and stays armed: the outer backward's next hook queues
+// the real end. With find_unused_parameters, parameters not ready at the end
+// are decided unused (they contribute zeros), so the end must be the outer
+// backward's: FusedReducer.forward hooks the module's outputs, and the first
+// output gradient queues the callback on the backward that reaches them (the
+// outermost one); a backward that reaches the outputs but no parameter
+// (torch.autograd.grad for a gradient penalty) ends without ending the step.
+// Where the outputs could not be hooked, a parameter decided unused whose
+// hook still fires inside the backward that contained the ended one (graph
+// tasks are numbered in creation order: an older task is an enclosing one)
+// raises: its gradient was averaged as zero, never silently.
+
+void Reducer::queue_finalize() {
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  callback_queued_ = true;
+}
+
+void Reducer::on_outputs_reached() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (expect_hooks_ && !callback_queued_) {
+    queue_finalize();
+  }
+}
+
+void Reducer::check_not_decided_unused(int64_t index) const {
+  if (!finished_since_forward_ || !decided_unused_[index] || finalized_graph_task_ < 0) {
+    return;
+  }
+  const int64_t current = torch::autograd::get_current_graph_task_id();
+  TORCH_CHECK(current < 0 || current >= finalized_graph_task_,
+              "FusedReducer: parameter '", names_[index], "' (index ", index,
+              ") received its gradient after FusedReducer had ended the step and treated it as "
+              "unused (find_unused_parameters=True), so its average was computed as zero. This "
+              "happens with reentrant activation checkpointing (torch.utils.checkpoint(..., "
+              "use_reentrant=True)) when FusedReducer cannot see the module's outputs (no tensor "
+              "requiring grad in what forward returned). Use "
+              "torch.utils.checkpoint(..., use_reentrant=False), or return the output tensors "
+              "from forward.");
 }
 
 // Note [Copy at the hook]
@@ -299,8 +347,6 @@ void Reducer::launch_ready_buckets() {
       const auto index = static_cast<int64_t>(next_to_launch_ - 1);
       bucket.collective = comm_hook_(index, next_to_launch_ == buckets_.size(), bucket.flat,
                                      bucket.views, bucket.params);
-    } else if (gradient_scale() == 1.0 && transport_->averages() && world_size_ > 1) {
-      bucket.collective = transport_->allreduce_average(bucket.flat);
     } else {
       bucket.collective = transport_->allreduce_sum(bucket.flat);
     }
@@ -309,17 +355,27 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+// Note [One averaging arithmetic]
+// Every transport sums; the average comes from scaling each gradient by
+// 1/world_size in the copy into the bucket, in the gradient's dtype (fp32 for
+// fp32 gradients), before any cast: DDP's arithmetic (at::mul_out(bucket_view,
+// grad, 1/world_size)), so fp32 buckets are bit-identical to DDP's wherever the
+// summation order is the same. A gradient that already is its bucket view
+// (gradient_as_bucket_view) is divided in place, as DDP does. Never ncclAvg:
+// it multiplies by 1/n after the sum, in the bucket's dtype (for bf16/fp16 a
+// second rounding, and a +0.2 % bias at n = 3, 6, 12, 24).
+
 // What pack_bucket multiplies gradients by so that the sum is the average:
-// 1 when a communication hook averages (DDP's hooks divide themselves) or the
-// transport averages natively over the whole world (ncclAvg).
-// With fp16 buckets the copy always scales (before the cast): see Note [Reduce dtype].
+// 1 when a communication hook averages (DDP's hooks divide themselves).
 double Reducer::gradient_scale() const {
-  const int64_t divisor = divide_factor_ > 0 ? divide_factor_ : world_size_;
-  const bool half_buckets = stats_.reduce_dtype == at::kHalf;
-  if (comm_hook_ || (transport_->averages() && divisor == world_size_ && !half_buckets)) {
+  if (comm_hook_) {
     return 1.0;
   }
-  return 1.0 / static_cast<double>(divisor);
+  return 1.0 / static_cast<double>(gradient_divisor());
+}
+
+int64_t Reducer::gradient_divisor() const {
+  return divide_factor_ > 0 ? divide_factor_ : world_size_;
 }
 
 // grads -> flat, scaled by gradient_scale() so that the sum is the average:
@@ -375,7 +431,13 @@ void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vecto
     jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
   } else if (grad.is_alias_of(view)) {
     if (scale != 1.0) {
-      jobs.push_back({view, view});  // gradient_as_bucket_view: scale in place
+      if (view.is_cpu()) {
+        // gradient_as_bucket_view: divide in place, DDP's arithmetic (Note [One averaging arithmetic]).
+        at::NoGradGuard no_grad;
+        view.div_(gradient_divisor());
+      } else {
+        jobs.push_back({view, view});  // scaled in place by the fused kernel (1 ulp of div_)
+      }
     }
   } else {
     jobs.push_back({grad, view});
@@ -415,6 +477,12 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
 
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (ready_order_.empty()) {
+    // A backward that reached the outputs but no parameter: the step goes on.
+    // See Note [End of backward].
+    callback_queued_ = false;
+    return;
+  }
   const double backward_end = now_us();
   expect_hooks_ = false;
   finished_since_forward_ = true;
@@ -443,6 +511,10 @@ void Reducer::finalize_backward() {
 
   at::Tensor globally_used;
   if (options_.find_unused_parameters) {
+    for (int64_t index : unready) {
+      decided_unused_[index] = 1;
+    }
+    finalized_graph_task_ = torch::autograd::get_current_graph_task_id();
     // Locally unused parameters contribute zeros; launch what they held back.
     for (int64_t index : unready) {
       buckets_[bucket_of_[index]].pending -= 1;
@@ -628,6 +700,8 @@ void Reducer::reset_iteration() {
   expect_hooks_ = false;
   finished_since_forward_ = false;
   ended_with_unready_ = false;
+  decided_unused_.assign(params_.size(), 0);
+  finalized_graph_task_ = -1;
 }
 
 // The last observed ready order, completed with never-ready parameters in

@@ -140,6 +140,11 @@ class Reducer {
   // point: no gradient is in flight), and arms the hooks when `will_sync`.
   void prepare_forward(bool will_sync);
 
+  // Called (find_unused_parameters) by a hook on the wrapped module's outputs
+  // when a backward reaches them: the end of that backward ends the step.
+  // See Note [End of backward].
+  void on_outputs_reached();
+
   // Setting a limit takes effect at the next prepare_forward, through a
   // rebuild from the last observed ready order. See Note [Persistent limits].
   void set_first_bucket_bytes(int64_t bytes);
@@ -210,7 +215,9 @@ class Reducer {
   void finish_bucket(size_t index, const int32_t* used, bool exposed);
   template <typename Keep>
   void unpack_bucket(Bucket& bucket, Keep keep);
+  void queue_finalize();
   void finalize_backward();
+  void check_not_decided_unused(int64_t index) const;
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
   void build_buckets(const std::vector<int64_t>& order);
@@ -218,6 +225,7 @@ class Reducer {
   void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
   void check_params_unchanged() const;
   double gradient_scale() const;
+  int64_t gradient_divisor() const;
   void rebuild_from_rank0();
   void reset_iteration();
   void record_step(double backward_end, double finalize_end);
@@ -252,6 +260,10 @@ class Reducer {
   bool finished_since_forward_ = false;   // finalize ran; another hook means a second backward
   bool callback_queued_ = false;
   bool ended_with_unready_ = false;      // a backward ended with parameters not ready yet
+  // find_unused_parameters: what the last finalize decided, and in which
+  // autograd graph task it ran. See Note [End of backward].
+  std::vector<char> decided_unused_;
+  int64_t finalized_graph_task_ = -1;
   bool sync_enabled_ = true;
   int64_t divide_factor_ = 0;             // 0: world size
   CommHook comm_hook_;

@@ -32,15 +32,6 @@ class Transport {
   // Starts an in-place sum all-reduce of `flat` (a contiguous buffer owned by
   // the reducer, kept alive by it until wait() returns).
   virtual std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) = 0;
-  // True when the transport averages natively (NCCL's ncclAvg): the reducer
-  // then copies gradients unscaled, and with gradient_as_bucket_view it needs
-  // no copy kernel at all once param.grad are views of the buckets.
-  virtual bool averages() const { return false; }
-  // In-place average across ranks; only called when averages() is true.
-  virtual std::unique_ptr<PendingCollective> allreduce_average(at::Tensor& flat) {
-    (void)flat;
-    TORCH_CHECK(false, "FusedReducer: transport ", name(), " does not average natively");
-  }
   // Short name for stats and error messages, e.g. "process_group(gloo)".
   virtual std::string name() const = 0;
   // Raises the error of a collective that failed in the background (the NCCL

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _C
@@ -201,7 +202,26 @@ class FusedReducer(nn.Module, Joinable):
     # -- the step ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._pre_forward()
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self._require_forward_param_sync:
+            self._hook_outputs(output)
+        return output
+
+    @torch.compiler.disable
+    def _hook_outputs(self, output):
+        """find_unused_parameters: the backward that reaches these outputs is the one whose end
+        decides which parameters were unused, not a nested backward that reentrant checkpointing
+        runs inside it (see Note [End of backward] in ext/reducer.cpp)."""
+        model = weakref.ref(self)
+
+        def reached(grad):
+            reducer = getattr(model(), "_reducer", None)
+            if reducer is not None:
+                reducer.on_outputs_reached()
+
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(reached)
 
     @torch.compiler.disable
     def _pre_forward(self):
@@ -336,14 +356,16 @@ class FusedReducer(nn.Module, Joinable):
     @contextmanager
     def no_sync(self):
         """Backward passes of forwards run inside accumulate into param.grad without
-        communication; the next synchronised backward reduces the accumulated sum."""
+        communication; the next synchronised backward reduces the accumulated sum. Nests like
+        DDP's: on exit (also when the body raises) the previous setting is restored."""
+        previous = self._syncing
         self._reducer.set_sync_enabled(False)
         self._syncing = False
         try:
             yield
         finally:
-            self._reducer.set_sync_enabled(True)
-            self._syncing = True
+            self._reducer.set_sync_enabled(previous)
+            self._syncing = previous
 
     # -- knobs ---------------------------------------------------------------------------------
     @property
