@@ -28,7 +28,7 @@ MUTATIONS = [
     dict(
         id="scale-1-over-world",
         file=REDUCER_CPP,
-        edits=[("  return 1.0 / static_cast<double>(divisor);\n}",
+        edits=[("  return 1.0 / static_cast<double>(gradient_divisor());\n}",
                 "  return 1.0;\n}")],
         why="the copy into the bucket forgets the 1/world_size scale: every rank gets the SUM "
             "of the gradients, training diverges by a factor world_size",
@@ -96,8 +96,8 @@ MUTATIONS = [
         edits=[("    if (!sync_enabled_ && params_[index].grad().defined()) {\n"
                 "      locally_used_[index] = 1;\n"
                 "    }\n"
-                "    return;",
-                "    return;")],
+                "    check_not_decided_unused(index);",
+                "    check_not_decided_unused(index);")],
         why="find_unused_parameters: a parameter used only in no_sync micro-steps counts as "
             "unused at the synchronised step, its accumulated gradient is not averaged",
         tests=[K + "test_usage_inside_no_sync_counts_for_find_unused_parameters"],
@@ -188,22 +188,69 @@ MUTATIONS = [
     dict(
         id="comm-hook-gets-scaled-buckets",
         file=REDUCER_CPP,
-        edits=[("  if (comm_hook_ || (transport_->averages()",
-                "  if ((transport_->averages()")],
+        edits=[("  if (comm_hook_) {\n    return 1.0;\n  }", "  if (false) {\n    return 1.0;\n  }")],
         why="gradient_scale() forgets that a DDP comm hook averages itself: gradients are "
             "divided by world_size twice",
         tests=["tests/test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
     ),
     dict(
-        id="nccl-avg-not-used",
+        id="average-after-the-sum",
         file=REDUCER_CPP,
-        edits=[("      bucket.collective = transport_->allreduce_average(bucket.flat);",
-                "      bucket.collective = transport_->allreduce_sum(bucket.flat);")],
-        why="the ncclAvg path: gradients are copied unscaled (gradient_scale() == 1) but summed, "
-            "not averaged. Only two or more NCCL ranks can show it: tests/test_gpu.py runs NCCL "
-            "with a world of one, where a sum is the average (an equivalent mutant there)",
-        tests=["tests/test_gpu.py::test_fused_reducer_on_nccl_matches_ddp"],
-        gpu=True,
+        edits=[("  if (comm_hook_) {\n    return 1.0;\n  }\n  return 1.0 / static_cast<double>(gradient_divisor());",
+                "  return 1.0;"),
+               ("  wait_for_bucket(index);\n  BucketTiming& timing",
+                "  wait_for_bucket(index);\n  if (!comm_hook_) buckets_[index].flat.mul_(1.0 / gradient_divisor());\n  BucketTiming& timing")],
+        why="ncclAvg's arithmetic restored: buckets summed unscaled, then multiplied by 1/n in "
+            "the bucket's dtype (a second rounding; not DDP's bits at 3 ranks, and in bf16/fp16 "
+            "a bias), instead of scaling each gradient in the copy",
+        tests=["tests/test_exactness.py::test_fp32_averages_are_ddps_arithmetic_scaled_in_the_copy_then_summed"],
+    ),
+    dict(
+        id="bucket-view-multiplied-not-divided",
+        file=REDUCER_CPP,
+        edits=[("        view.div_(gradient_divisor());", "        view.mul_(gradient_scale());")],
+        why="a gradient that is its bucket view (gradient_as_bucket_view) is multiplied by "
+            "1/n instead of divided by n: 1 ulp away from DDP's bits on 3 ranks",
+        tests=["tests/test_exactness.py::test_fp32_averages_are_ddps_arithmetic_scaled_in_the_copy_then_summed"],
+    ),
+    dict(
+        id="step-ends-with-the-nested-backward",
+        file=REDUCER_PY,
+        edits=[("        if self.find_unused_parameters and self._require_forward_param_sync:\n"
+                "            self._hook_outputs(output)",
+                "        if False:\n            self._hook_outputs(output)")],
+        why="find_unused_parameters decides unused parameters when the first backward with a "
+            "hook ends: with reentrant checkpointing of the last layer that is the nested "
+            "backward, and every rank gets the same wrong gradients (issue 19: 79 % off)",
+        tests=["tests/test_exactness.py::test_reentrant_checkpoint_of_last_layer_with_find_unused_parameters_is_exact",
+               "tests/test_graph_shapes.py"],
+    ),
+    dict(
+        id="late-hook-of-an-unused-parameter-ignored",
+        file=REDUCER_CPP,
+        edits=[("  if (!finished_since_forward_ || !decided_unused_[index] || finalized_graph_task_ < 0) {",
+                "  if (true) {")],
+        why="where the outputs cannot be hooked, a parameter decided unused whose gradient "
+            "arrives later in the enclosing backward is silently averaged as zero",
+        tests=["tests/test_exactness.py::test_outputs_hidden_from_fused_reducer_make_the_late_gradient_raise_on_every_rank"],
+    ),
+    dict(
+        id="outputs-only-backward-ends-the-step",
+        file=REDUCER_CPP,
+        edits=[("  if (ready_order_.empty()) {\n    // A backward that reached the outputs but no parameter",
+                "  if (false) {\n    // A backward that reached the outputs but no parameter")],
+        why="a gradient penalty's torch.autograd.grad reaches the outputs but no parameter; "
+            "ending the step there leaves the real backward's gradients local",
+        tests=["tests/test_graph_shapes.py"],
+    ),
+    dict(
+        id="no-sync-exit-turns-sync-on",
+        file=REDUCER_PY,
+        edits=[("            self._reducer.set_sync_enabled(previous)\n            self._syncing = previous",
+                "            self._reducer.set_sync_enabled(True)\n            self._syncing = True")],
+        why="leaving an inner no_sync() turns syncing on inside an outer one: the backward still "
+            "in the outer window is averaged (DDP keeps it local)",
+        tests=["tests/test_exactness.py::test_no_sync_nests_like_ddp_and_restores_the_previous_setting_when_the_body_raises"],
     ),
 
     # -- Python: the module wrapper ------------------------------------------------------------------
@@ -248,9 +295,9 @@ MUTATIONS = [
         id="no-sync-without-finally",
         file=REDUCER_PY,
         edits=[("        try:\n            yield\n        finally:\n"
-                "            self._reducer.set_sync_enabled(True)\n            self._syncing = True",
+                "            self._reducer.set_sync_enabled(previous)\n            self._syncing = previous",
                 "        yield\n"
-                "        self._reducer.set_sync_enabled(True)\n        self._syncing = True")],
+                "        self._reducer.set_sync_enabled(previous)\n        self._syncing = previous")],
         why="an exception inside `with model.no_sync():` leaves synchronisation off for the "
             "rest of training (DDP restores it in a finally)",
         tests=[K + "test_exception_inside_no_sync_leaves_sync_on"],

@@ -325,6 +325,9 @@ REGRESSIONS = [
            no_sync_steps=1, gradient_as_bucket_view=True),
     _shape(checkpoint="reentrant", checkpoint_head=True, tied=True, find_unused=True,
            no_grad_param=True, direct_param=True),
+    # A gradient penalty: torch.autograd.grad reaches the outputs but no parameter; the step
+    # ends with the backward that follows.
+    _shape(penalty=True, find_unused=True, checkpoint="non_reentrant", checkpoint_head=True),
     # A module checkpointed (reentrant) twice in one forward: raises like DDP.
     _shape(checkpoint="reentrant", checkpoint_twice=True, find_unused=True),
     _shape(checkpoint="reentrant", checkpoint_twice=True),
