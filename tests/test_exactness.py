@@ -77,7 +77,11 @@ def _checkpoint_exact(rank, world, backend):
     for step in range(3):
         state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
         opt.zero_grad()
-        model(_input(rank, step)).pow(2).sum().backward()
+        try:
+            model(_input(rank, step)).pow(2).sum().backward()
+        except RuntimeError as e:  # a refusal is a wrong answer here: the shape is exact
+            model.close()
+            return f"step {step} raised: {e}"
         want = _float64_average(rank, world, state, step)
         errors.append(max(((p.grad.double() - w).norm() / w.norm()).item()
                           for p, w in zip(model.parameters(), want)))
@@ -297,6 +301,7 @@ def test_reentrant_checkpoint_of_last_layer_with_find_unused_parameters_is_exact
                                                                                  backend):
     _, results = outcomes
     for rank, errors in enumerate(per_rank(results, f"checkpoint_exact_{backend}")):
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
         assert max(errors) < 1e-5, f"rank {rank}: relative errors per step {errors}"
 
 
