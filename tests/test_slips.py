@@ -184,7 +184,7 @@ def check_join_no_sync_batchnorm(rank, world):
     and synchronises on the second. The same loop under DDP.join and FusedReducer.join."""
     out = {}
     for kind in ("ddp", "fr"):
-        m = WRAP[kind](build(BNNet), **risky_kwargs())
+        m = WRAP[kind](build(BNNet), **risky_kwargs(15))  # a hang fails in 15 s
         opt = sgd(m)
         steps = 0
 
