@@ -424,5 +424,5 @@ def test_package_modules_import_each_other_without_a_cycle():
                    for t in edges[start])
 
     planner_side = ("autotune", "plan", "profile", "costmodel", "probe")
-    on_cycle = [m for m in planner_side if reaches(m, m)]
+    on_cycle = [m for m in planner_side if m in edges and reaches(m, m)]
     assert not on_cycle, f"import cycle through {on_cycle}: {edges}"
