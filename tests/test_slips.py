@@ -9,7 +9,6 @@ One spawn of 2 gloo ranks runs every multi-rank check (SelectedChecks); the rest
 """
 import copy
 import json
-import math
 import os
 import pickle
 import statistics
@@ -20,14 +19,23 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dist_utils import SelectedChecks, per_rank
 from test_dropin_common import (
-    BNNet, ExtraNet, Net, WRAP, build, buffers, data, grads, loss_of, max_diff, outcome, params,
+    BNNet, ExtraNet, Net, build, buffers, data, ddp, grads, loss_of, max_diff, outcome, params,
     risky_kwargs, same_on_all_ranks, sgd)
 
 checks = SelectedChecks()
+
+
+def wrap(kind, module, **kwargs):
+    """DDP, or FusedReducer with DDP's 1 MiB first bucket (always FusedReducer: these checks use
+    its own API, so DROPIN_FR_IS_DDP, which checks the drop-in files, does not apply)."""
+    if kind == "ddp":
+        return ddp(module, **kwargs)
+    from fused_reducer import FusedReducer
+    kwargs.setdefault("first_bucket_mb", 1)
+    return FusedReducer(module, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +66,14 @@ def check_unused_here_used_there_bf16(rank, world):
         for name, p in ref.named_parameters():
             g = torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double()
             dist.all_reduce(g)
+            average = g / world
             got = dict(model.module.named_parameters())[name].grad
             step[name] = {
                 "dtype": None if got is None else str(got.dtype),
                 "param_dtype": str(p.dtype),
                 # bfloat16 buckets: relative to the largest value, within bf16's rounding
-                "rel_err": None if got is None else
-                ((got.double() - g / world).abs().max() / (g / world).abs().max().clamp_min(1e-30)).item(),
+                "rel_err": None if got is None else ((got.double() - average).abs().max()
+                                                     / average.abs().max().clamp_min(1e-30)).item(),
                 "nonzero": bool((g != 0).any()),
             }
         out.append(step)
@@ -97,7 +106,7 @@ def check_limit_changed_between_no_sync_and_sync(rank, world):
     runs = {}
     limits = [(256, 512), (1 << 20, 1 << 20), (512, 256)]
     for kind in ("ddp", "fr"):
-        m = WRAP[kind](build(Net), gradient_as_bucket_view=True)
+        m = wrap(kind, build(Net), gradient_as_bucket_view=True)
         opt = sgd(m)
         layouts, history = [], []
         for i, (first, cap) in enumerate(limits):
@@ -184,7 +193,7 @@ def check_join_no_sync_batchnorm(rank, world):
     and synchronises on the second. The same loop under DDP.join and FusedReducer.join."""
     out = {}
     for kind in ("ddp", "fr"):
-        m = WRAP[kind](build(BNNet), **risky_kwargs(15))  # a hang fails in 15 s
+        m = wrap(kind, build(BNNet), **risky_kwargs(15))  # a hang fails in 15 s
         opt = sgd(m)
         steps = 0
 
@@ -368,7 +377,7 @@ def check_hook_future_holding_a_list(rank, world):
     out = {}
     for kind in ("ddp", "fr"):
         kw = risky_kwargs()
-        m = WRAP[kind](build(Net), **kw)
+        m = wrap(kind, build(Net), **kw)
         m.register_comm_hook(kw["process_group"], work_future_hook)
 
         def train():

@@ -79,7 +79,8 @@ class ParamInfo(Gradients):
 
     def __init__(self, params, reduce_dtype=None):
         def bucket_dtype(p):
-            return reduce_dtype if reduce_dtype is not None and p.dtype.is_floating_point else p.dtype
+            floating = reduce_dtype is not None and p.dtype.is_floating_point
+            return reduce_dtype if floating else p.dtype
         keys = {}
         groups = [keys.setdefault((bucket_dtype(p), str(p.device)), len(keys)) for p in params]
         super().__init__([p.numel() * bucket_dtype(p).itemsize for p in params], groups)
