@@ -140,6 +140,47 @@ def test_bucket_view_limit_change_inside_no_sync_window_keeps_the_accumulated_gr
         assert isinstance(r["params"], float) and r["params"] <= 1e-6, r["params"]
 
 
+
+def check_autotune_between_no_sync_and_sync(rank, world):
+    """The same with the tuner changing the limits: it acts at synchronised forwards only, so
+    each of its rebuilds comes right after a no_sync micro-step here."""
+    out = {}
+    for kind in ("ddp", "fr"):
+        m = wrap(kind, build(Net), gradient_as_bucket_view=True)
+        if kind == "fr":
+            m.autotune(candidates=[(256, 512, 0), (512, 256, 0), (1 << 20, 1 << 20, 0)],
+                       round_steps=(1,), min_steps=1)
+        opt = sgd(m)
+        history, rebuilds = [], []
+        for i in range(10):
+            opt.zero_grad(set_to_none=False)
+            with m.no_sync():
+                x, y = data(rank, i, 0)
+                loss_of(m(x), y, rank).backward()
+            x, y = data(rank, i, 1)
+            loss_of(m(x), y, rank).backward()
+            history.append(grads(m))
+            if kind == "fr":
+                rebuilds.append(m.stats()["rebuilds"])
+            opt.step()
+        out[kind] = {"grads": history, "rebuilds": rebuilds, "params": params(m),
+                     "done": kind == "ddp" or m.autotune_report()["done"]}
+    return {"grads": [max_diff(a, b) for a, b in zip(out["ddp"]["grads"], out["fr"]["grads"])],
+            "params": max_diff(out["ddp"]["params"], out["fr"]["params"]),
+            "rebuilds": out["fr"]["rebuilds"], "done": out["fr"]["done"]}
+
+
+@checks.uses(check_autotune_between_no_sync_and_sync)
+def test_bucket_view_autotune_rebuild_after_no_sync_window_keeps_the_accumulated_gradient(
+        outcomes):
+    """Slip: as above, reached through the tuner's limits."""
+    for rank, r in enumerate(per_rank(outcomes, "check_autotune_between_no_sync_and_sync")):
+        changes = sum(b > a for a, b in zip(r["rebuilds"], r["rebuilds"][1:]))
+        assert changes >= 2, f"the tuner rebuilt too rarely to test anything: {r['rebuilds']}"
+        for i, d in enumerate(r["grads"]):
+            assert isinstance(d, float) and d <= 1e-6, f"rank {rank} step {i}: grads vs DDP {d}"
+        assert isinstance(r["params"], float) and r["params"] <= 1e-6, r["params"]
+
 # -- 3. pickling and deepcopy keep the limits and the reduce dtype ------------------------------
 
 FIRST, CAP, LAST = 3 << 10, 7 << 10, 5 << 10  # three distinct, non-default values
