@@ -4,8 +4,8 @@ here runs per parameter. docs/TUNING.md describes it for users.
 
 1. Wait until the reducer has completed `min_steps` steps, so the gradient-ready order and the
    per-parameter ready times (C++ telemetry, Note [Step telemetry]) are known.
-2. Probe the transport the reducer uses: a few all-reduces of a small and a large flat buffer
-   give a per-collective latency and a bandwidth (max over ranks).
+2. Probe the transport the reducer uses (probe.py): a few all-reduces of a small and a large
+   flat buffer give a per-collective latency and a bandwidth (max over ranks).
 3. Model (rank 0): every candidate of `candidate_grid` is turned into its bucket layout by the
    reducer's own assignment (_C.assign_buckets on the observed order; candidates with identical
    layouts are one configuration) and simulated: a bucket launches, strictly in order, when its
@@ -33,54 +33,15 @@ import statistics
 import time
 import weakref
 
-import torch
 import torch.distributed as dist
 
-from .costmodel import KiB, MiB, CostModel, Gradients, candidate_grid
+from .costmodel import CostModel, ParamInfo, candidate_grid
+from .probe import probe_transport
 from .transport import control_allreduce
 
 log = logging.getLogger("fused_reducer")
 
 _INVALID = 1e30  # a step that cannot be timed (no backward between two forwards) on some rank
-
-
-class ParamInfo(Gradients):
-    """What bucketing needs about the reducer's parameters (same on every rank): bytes and group
-    of each gradient in its bucket, i.e. in the reduce dtype for floating-point gradients when
-    one is set (the C++ reducer's bucket_dtype rule; limits count those bytes)."""
-
-    def __init__(self, params, reduce_dtype=None):
-        def bucket_dtype(p):
-            return reduce_dtype if reduce_dtype is not None and p.dtype.is_floating_point else p.dtype
-        keys = {}
-        groups = [keys.setdefault((bucket_dtype(p), str(p.device)), len(keys)) for p in params]
-        super().__init__([p.numel() * bucket_dtype(p).itemsize for p in params], groups)
-        self.group_names = [f"{dtype} {device}" for dtype, device in keys]  # by group number
-
-
-def probe_transport(transport, device, group, small=4 * KiB, large=4 * MiB, repeats=3,
-                    control_device="cpu"):
-    """(latency_us, bytes_per_us) of `transport` from timed all-reduces of a small and a large
-    float32 buffer: the fastest of `repeats` each (after one warm-up), slowest rank (agreed with
-    a tensor on `control_device`: the rank's GPU for an NCCL group)."""
-    timings = []
-    for nbytes in (small, large):
-        flat = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        transport.allreduce_sum(flat).wait()
-        best = math.inf
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            transport.allreduce_sum(flat).wait()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, (time.perf_counter() - start) * 1e6)
-        timings.append(best)
-    t_small, t_large = control_allreduce(timings, dist.ReduceOp.MAX, group, control_device)
-    bytes_per_us = (large - small) / max(t_large - t_small, 1e-3)
-    latency_us = max(t_small - small / bytes_per_us, 1.0)
-    return latency_us, bytes_per_us
 
 
 def _finite(x):

@@ -4,8 +4,9 @@ A hook registered with ``FusedReducer.register_comm_hook(state, hook)`` has DDP'
 ``hook(state, bucket) -> torch.futures.Future``, so every hook of
 ``torch.distributed.algorithms.ddp_comm_hooks`` runs unchanged. The C++ reducer calls
 ``launch`` below when a bucket is complete (instead of its transport; gradients unscaled, the
-hook averages as in DDP) and ``finish`` at the end of backward; the future's value lands in the
-bucket and flows through the same unpack into ``param.grad``. Without a hook nothing here runs.
+hook averages as in DDP) and ``finish`` at the end of backward; the future's value (a tensor:
+like DDP, a one-element list such as a work's ``[tensor]`` is refused) lands in the bucket and
+flows through the same unpack into ``param.grad``. Without a hook nothing here runs.
 """
 import torch
 
@@ -70,8 +71,17 @@ def run_hook(state, hook, bucket):
             "dist.all_reduce(t, async_op=True).get_future().then(...)).")
 
     def finish():
-        value = future.wait()
-        result = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+        result = future.wait()
+        if isinstance(result, (list, tuple)):
+            # Refused, as DDP refuses it: a hook that trains here must train under DDP too.
+            from .reducer import FusedReducerError  # reducer.py imports this module
+            raise FusedReducerError(
+                f"FusedReducer: the future of communication hook {_hook_name(hook)} for bucket "
+                f"{bucket.index()} holds a {type(result).__name__} of {len(result)} element(s), "
+                "not a tensor; DDP refuses it too. A work's future (dist.all_reduce(..., "
+                "async_op=True).get_future()) holds [tensor]: return "
+                "fut.then(lambda fut: fut.value()[0]), as the hooks of "
+                "torch.distributed.algorithms.ddp_comm_hooks do.")
         if not isinstance(result, torch.Tensor) or result.numel() != flat.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)

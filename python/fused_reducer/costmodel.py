@@ -1,8 +1,9 @@
 """The one performance model of FusedReducer: what a bucket layout costs per training step.
 
-Used by the autotuner (autotune.py: its shortlist, from the transport it probes) and by the
-planner (plan.py: other world sizes and networks, from a recorded profile). docs/PLANNING.md
-describes it for users. Three parts:
+Used by the autotuner (autotune.py: its shortlist, from the transport it probes, probe.py) and
+by the planner (plan.py: other world sizes and networks, from a recorded profile, profile.py);
+both take the layout facts of the reducer's parameters from here (`ParamInfo`), so neither
+imports the other. docs/PLANNING.md describes it for users. Three parts:
 
 1. Collectives (`Network`, `ProbedCollective`): microseconds of one all-reduce of n bytes.
    `Network` follows NCCL's own cost model (src/graph/tuning.cc, ncclTopoTuneModel):
@@ -68,6 +69,22 @@ class Gradients:
         first, cap, last = candidate
         return tuple(tuple(b) for b in _C.assign_buckets(self.sizes, self.groups, list(order),
                                                          first, cap, last))
+
+
+class ParamInfo(Gradients):
+    """Gradients of the reducer's parameters (same on every rank): bytes and group of each
+    gradient in its bucket, i.e. in the reduce dtype for floating-point gradients when one is
+    set (the C++ reducer's bucket_dtype rule; limits count those bytes). Used by the tuner and
+    by the profile; `group_names` names each group ("<dtype> <device>")."""
+
+    def __init__(self, params, reduce_dtype=None):
+        def bucket_dtype(p):
+            floating = reduce_dtype is not None and p.dtype.is_floating_point
+            return reduce_dtype if floating else p.dtype
+        keys = {}
+        groups = [keys.setdefault((bucket_dtype(p), str(p.device)), len(keys)) for p in params]
+        super().__init__([p.numel() * bucket_dtype(p).itemsize for p in params], groups)
+        self.group_names = [f"{dtype} {device}" for dtype, device in keys]  # by group number
 
 
 # -- collectives ----------------------------------------------------------------------------------

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .costmodel import ParamInfo
+from .probe import probe_transport
+
 FORMAT = "fused_reducer.profile"
 VERSION = 1
 
@@ -33,8 +36,7 @@ def export_profile(model, path):
     (the transport probe and the slowest-rank step phases need all ranks). Rank 0 writes `path`;
     with "{rank}" in it, every rank writes its own. Returns the path written, or None on ranks
     that write nothing. Needs at least two completed synchronised steps."""
-    from .autotune import ParamInfo, probe_transport
-    from .transport import control_allreduce
+    from .transport import control_allreduce  # looked up per call (tests stand it in)
     from . import build_info
 
     reducer = model._reducer
