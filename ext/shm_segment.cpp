@@ -330,6 +330,10 @@ void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks
       for (int r = 0; r < world; ++r) inputs[r] = segment.slot(set, r) + lo * element;
       bucket.sum(segment.slot(set, world) + lo * element, inputs, hi - lo);
     }
+    // A cancelled bucket does not arrive: the peers must not finish a sum this rank refused.
+    if (limits.cancelled != nullptr && limits.cancelled->load()) {
+      throw Cancelled("the bucket's wait gave up before this rank's part was summed");
+    }
     segment.arrive(rank, copied_in + 1);
     segment.wait_for_all(copied_in + 1, "sums", limits);
     if (len > 0) bucket.copy_out(segment.slot(set, world), start, len);
