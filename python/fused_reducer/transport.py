@@ -185,8 +185,8 @@ def shm_chunk_for(world, preferred, size, free):
         return chunk, None
     needs = 2 * (world + 1) * floor
     return None, (f"/dev/shm is too small for {world} ranks: the segment needs {needs >> 10} KiB, "
-                  f"and a run takes at most {SHM_SHARE_OF_SIZE:.0%} of its size "
-                  f"({size >> 20} MiB) and {SHM_SHARE_OF_FREE:.0%} of its free space "
+                  f"and a run takes at most 1/{round(1 / SHM_SHARE_OF_SIZE)} of its size "
+                  f"({size >> 20} MiB) and 1/{round(1 / SHM_SHARE_OF_FREE)} of its free space "
                   f"({free >> 20} MiB), leaving the rest to DataLoader workers and other jobs; "
                   "give the container more shared memory (e.g. docker run --shm-size=1g)")
 
