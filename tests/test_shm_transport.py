@@ -739,3 +739,70 @@ def test_segments_of_dead_processes_of_this_user_are_swept_and_live_ones_kept():
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def outcomes(request):
     return checks.run(request, world_size=request.param)
+
+
+# -- ranks as threads of one process: 4 and 8 ranks, every dtype the transport takes ------------
+
+ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+              torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def thread_input(rank, n, dtype):
+    g = torch.Generator().manual_seed(7919 * rank + n)
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(n, dtype=torch.complex128 if dtype.is_complex else torch.float64,
+                            generator=g) * (rank + 1)).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def expected_sum(world, n, dtype):
+    """In rank order, as the transport sums: half types in float32, rounded once."""
+    inputs = [thread_input(r, n, dtype) for r in range(world)]
+    if dtype in (torch.float16, torch.bfloat16):
+        total = inputs[0].float()
+        for x in inputs[1:]:
+            total = total + x.float()
+        return total.to(dtype)
+    total = inputs[0].clone()
+    for x in inputs[1:]:
+        total = total + x  # integers wrap around
+    return total
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_ranks_as_threads_sum_every_dtype_across_chunk_edges_bit_identically(world):
+    """Ranks as threads of one process (each its own mapping of one segment), 4 and 8 ranks:
+    every dtype the transport takes, sizes across chunk edges, each result bit-identical to the
+    sum in rank order and on every rank."""
+    name = f"/{transport_module.shm_name_prefix()}{os.urandom(6).hex()}"
+    ranks = [transport_module._C.ShmTransport(name, True, 0, world, CHUNK, 30.0)]
+    try:
+        ranks += [transport_module._C.ShmTransport(name, False, r, world, CHUNK, 30.0)
+                  for r in range(1, world)]
+    finally:
+        ranks[0].unlink()
+    cases = [(n, dtype) for dtype in ALL_DTYPES for n in (1, 17, 255, 256, 257, 1025, 5000)]
+    outputs = [[thread_input(r, n, dtype) for n, dtype in cases] for r in range(world)]
+    errors = []
+
+    def run(rank):
+        try:
+            pending = [ranks[rank].allreduce_sum(flat) for flat in outputs[rank]]
+            for p in pending:
+                p.wait(60.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"rank {rank}: {e}")
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for transport in ranks:
+        transport.close(1.0)
+    assert not errors, errors
+    for i, (n, dtype) in enumerate(cases):
+        expected = expected_sum(world, n, dtype)
+        for r in range(world):
+            assert torch.equal(outputs[r][i], expected), (world, n, dtype, r)
