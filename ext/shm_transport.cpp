@@ -262,6 +262,9 @@ void ShmTransport::fail(const std::string& error) {
 
 void ShmTransport::run_worker() {
   Runtime& rt = *runtime_;
+  const std::string cancelled = "an all-reduce of rank " + std::to_string(rank_) +
+                                " was cancelled (its wait timed out, or it was dropped unwaited); "
+                                "the shared-memory transport stopped";
   while (true) {
     std::shared_ptr<Job> job;
     std::string failure;
@@ -277,8 +280,7 @@ void ShmTransport::run_worker() {
         reduce(*job);
       } catch (const shm::Cancelled& e) {
         failure = "rank " + std::to_string(rank_) + ": " + e.what();
-        fail("an all-reduce of rank " + std::to_string(rank_) +
-             " timed out and was cancelled; the shared-memory transport stopped");
+        fail(cancelled);
       } catch (const std::exception& e) {
         failure = e.what();
         fail(failure);
@@ -288,12 +290,18 @@ void ShmTransport::run_worker() {
       std::lock_guard<std::mutex> lock(rt.mutex);
       rt.queue.pop_front();
     }
+    bool cancelled_late = false;
     {
       std::lock_guard<std::mutex> lock(job->mutex);
+      // Cancelled after its last copy: the caller was told it failed, so this rank stops too.
+      cancelled_late = job->cancelled && failure.empty();
       job->error = failure;
       job->done = true;
     }
     job->finished.notify_all();
+    if (cancelled_late) {
+      fail(cancelled);
+    }
   }
 }
 
