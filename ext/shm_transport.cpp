@@ -187,6 +187,9 @@ std::unique_ptr<PendingCollective> ShmTransport::allreduce_sum(at::Tensor& flat)
   TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(),
               "FusedReducer shm transport: buckets must be contiguous CPU tensors; got ",
               flat.device(), flat.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(!flat.is_conj() && !flat.is_neg(),
+              "FusedReducer shm transport: the bucket is a lazily conjugated or negated view; "
+              "call .resolve_conj().resolve_neg() first");
   const auto dtype = flat.scalar_type();
   const auto sum_dtype = sum_dtype_of(dtype);
   const bool summable = sum_dtype == at::kFloat || sum_dtype == at::kDouble ||
