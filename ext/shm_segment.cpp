@@ -242,6 +242,7 @@ void Segment::wait_for_all(uint64_t arrival, const char* phase, const WaitLimits
     for (int r = 0; r < layout_.world && missing < 0; ++r) {
       if (header_->ranks[r].arrived.load() < arrival) missing = r;
     }
+    if (limits.waiting_for != nullptr) limits.waiting_for->store(missing);
     if (missing < 0) return;
     if (limits.cancelled != nullptr && limits.cancelled->load()) {
       throw Cancelled(std::string("the bucket's wait gave up while this rank waited for rank ") +

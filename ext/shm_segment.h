@@ -99,6 +99,8 @@ struct WaitLimits {
   const std::atomic<bool>* cancelled = nullptr;
   // Peers' processes are checked for liveness (Segment::peers_watchable()).
   bool check_peers = false;
+  // Where a wait tells the rank it is waiting for (-1 once none), for the caller's messages.
+  std::atomic<int>* waiting_for = nullptr;
 };
 
 class Segment {

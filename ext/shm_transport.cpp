@@ -46,6 +46,7 @@ struct ShmTransport::Job {
   bool cancelled = false;                 // under `mutex`: the bucket is not ours to touch
   std::atomic<bool> cancel_flag{false};   // the same, polled by the waits without the lock
   std::atomic<bool> done{false};
+  std::atomic<int> waiting_for{-1};       // the rank the worker waits for (-1: none)
   std::string error;
 
   void cancel() {
@@ -81,9 +82,12 @@ class PendingShm : public PendingCollective {
     if (!job_->finished.wait_for(lock, timeout, [&] { return job_->done.load(); })) {
       // Under the job's lock: the worker is not inside the bucket now and never enters it again.
       job_->cancel();
+      const int missing = job_->waiting_for.load();
       throw std::runtime_error(
-          "timed out after " + std::to_string(timeout.count()) +
-          " ms; the all-reduce was cancelled (nothing is written into the bucket any more, and "
+          "timed out after " + std::to_string(timeout.count()) + " ms" +
+          (missing >= 0 ? " waiting for rank " + std::to_string(missing)
+                        : std::string(" (earlier all-reduces still running, or not yet started)")) +
+          "; the all-reduce was cancelled (nothing is written into the bucket any more, and "
           "the peers' all-reduce fails too). Raise the FusedReducer's timeout if the ranks are "
           "just slow");
     }
@@ -339,6 +343,7 @@ void ShmTransport::reduce(Job& job) {
   limits.abort_after_ns = &runtime_->abort_after;
   limits.cancelled = &job.cancel_flag;
   limits.check_peers = check_peers_;
+  limits.waiting_for = &job.waiting_for;
   shm::reduce(*segment_, rank_, io, chunks_done_, limits);
 }
 
