@@ -39,7 +39,7 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
   options.reduce_dtype = reduce_dtype;
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  options.timeout = fused_reducer::shm::timeout_from_seconds(timeout_seconds);
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
                                    at::Device(control_device), std::move(transport), options);
 }
@@ -244,7 +244,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fused_reducer::PendingCollective>(m, "PendingCollective")
       .def("wait",
            [](fused_reducer::PendingCollective& pending, double timeout_seconds) {
-             pending.wait(std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+             pending.wait(fused_reducer::shm::timeout_from_seconds(timeout_seconds));
            },
            py::arg("timeout_seconds") = 600.0, py::call_guard<py::gil_scoped_release>());
   py::class_<fused_reducer::Transport, std::shared_ptr<fused_reducer::Transport>>(m, "Transport")
@@ -256,7 +256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Raise the error of a collective that failed in the background, if any.")
       .def("close",
            [](fused_reducer::Transport& transport, double deadline_seconds) {
-             transport.close(std::chrono::milliseconds(static_cast<int64_t>(deadline_seconds * 1000)));
+             transport.close(fused_reducer::shm::timeout_from_seconds(deadline_seconds));
            },
            py::arg("deadline_seconds") = 10.0, py::call_guard<py::gil_scoped_release>(),
            "Release the communicator (in-flight work gets until the deadline, then abort).");
@@ -269,7 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t chunk_bytes, double timeout_seconds) {
              return std::make_shared<fused_reducer::ShmTransport>(
                  name, create, rank, world_size, chunk_bytes,
-                 std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+                 fused_reducer::shm::timeout_from_seconds(timeout_seconds));
            }),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("world_size"),
            py::arg("chunk_bytes"), py::arg("timeout_seconds"))
@@ -301,7 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        double timeout_seconds) {
              return std::make_shared<fused_reducer::NcclTransport>(
                  unique_id, rank, world_size, device,
-                 std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+                 fused_reducer::shm::timeout_from_seconds(timeout_seconds));
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
            py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>());

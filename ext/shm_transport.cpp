@@ -1,85 +1,57 @@
 #include "shm_transport.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <fcntl.h>
-#include <linux/futex.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <climits>
+#include <condition_variable>
 #include <cstring>
-#include <new>
+#include <deque>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace fused_reducer {
 
-namespace {
-
-constexpr uint64_t kMagic = 0x46525f53484d3031ULL;  // "FR_SHM01"
-constexpr int kMaxWorld = 64;
-constexpr size_t kPage = 4096;
-constexpr auto kSleepSlice = std::chrono::milliseconds(20);
-constexpr auto kPeerCheckEvery = std::chrono::milliseconds(100);
-
-std::string os_error(const std::string& what) {
-  return what + ": " + std::strerror(errno);
-}
-
-}  // namespace
-
-// One cache line per rank, so arrivals do not contend.
-struct alignas(64) RankState {
-  std::atomic<uint64_t> arrived{0};  // 2k+1: chunk k copied in; 2k+2: its part summed
-  std::atomic<int64_t> pid{0};
-  std::atomic<int64_t> numel{0};     // the bucket being reduced, checked equal across ranks
-  std::atomic<int32_t> dtype{0};
+// The worker thread and everything it shares with the callers: on the heap,
+// abandoned in a forked child. See Note [Shared-memory transport in a forked child].
+struct ShmTransport::Runtime {
+  std::mutex mutex;
+  std::condition_variable queued;
+  std::deque<std::shared_ptr<Job>> queue;
+  bool stopping = false;
+  bool closing = false;  // a close() is under way (a second caller waits for it)
+  bool closed = false;
+  std::condition_variable closed_cv;
+  std::atomic<int64_t> abort_after{INT64_MAX};  // See shm::WaitLimits::abort_after_ns
+  std::string error;  // first failure; every later bucket fails with it
+  std::thread worker;
 };
 
-struct ShmTransport::Segment {
-  uint64_t magic;
-  int32_t world;
-  int64_t chunk_bytes;
-  std::atomic<uint32_t> wake{0};     // futex word: bumped by every arrival
-  std::atomic<int32_t> sleepers{0};  // ranks asleep on `wake` (arrivals skip the syscall otherwise)
-  std::atomic<int32_t> stopped{0};   // rank + 1 of the first rank that failed or closed
-  RankState ranks[kMaxWorld];
-
-  static size_t data_offset() { return (sizeof(Segment) + kPage - 1) / kPage * kPage; }
-  static size_t bytes(int world, int64_t chunk_bytes) {
-    return data_offset() + size_t(2) * (world + 1) * chunk_bytes;
-  }
-  // Slot `index` of set `set`: 0..world-1 are the ranks' inputs, world the result.
-  char* slot(int set, int index) {
-    return reinterpret_cast<char*>(this) + data_offset() +
-           (size_t(set) * (world + 1) + index) * chunk_bytes;
-  }
-};
-
+// See Note [Shared-memory jobs and their buckets].
 struct ShmTransport::Job {
-  explicit Job(at::Tensor t) : flat(std::move(t)) {}
-  at::Tensor flat;
+  char* data = nullptr;         // the bucket: owned by the PendingShm, not by the job
+  int64_t numel = 0;            // elements of `sum_dtype`
+  at::ScalarType sum_dtype{};   // complex buckets are summed as (re, im) pairs of reals
+  int64_t check_numel = 0;      // the caller's count and dtype, compared across ranks
+  at::ScalarType dtype{};
+  pid_t owner = 0;
+
   std::mutex mutex;
   std::condition_variable finished;
+  bool cancelled = false;                 // under `mutex`: the bucket is not ours to touch
+  std::atomic<bool> cancel_flag{false};   // the same, polled by the waits without the lock
   std::atomic<bool> done{false};
+  std::atomic<int> waiting_for{-1};       // the rank the worker waits for (-1: none)
   std::string error;
 
-  void finish(const std::string& failure) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      error = failure;
-      done = true;
-    }
-    finished.notify_all();
-    flat = at::Tensor();  // the reducer keeps the buffer; we need not
+  void cancel() {
+    cancelled = true;
+    cancel_flag.store(true);
   }
 };
 
@@ -87,12 +59,37 @@ namespace {
 
 class PendingShm : public PendingCollective {
  public:
-  explicit PendingShm(std::shared_ptr<ShmTransport::Job> job) : job_(std::move(job)) {}
+  PendingShm(at::Tensor flat, std::shared_ptr<ShmTransport::Job> job)
+      : flat_(std::move(flat)), job_(std::move(job)) {}
+
+  // Dropped unwaited: the worker must not touch the bucket once it is released.
+  ~PendingShm() override {
+    if (getpid() != job_->owner) return;  // a forked child: no lock may be taken
+    std::lock_guard<std::mutex> lock(job_->mutex);
+    if (!job_->done.load()) job_->cancel();
+  }
+
   bool completed() override { return job_->done.load(std::memory_order_acquire); }
+
   void wait(std::chrono::milliseconds timeout) override {
+    if (getpid() != job_->owner) {
+      throw std::runtime_error(
+          "shm all-reduce waited for in a forked child (pid " + std::to_string(getpid()) +
+          ") of the process that started it; only that process can reduce");
+    }
+    timeout = shm::clamp_timeout(timeout);
     std::unique_lock<std::mutex> lock(job_->mutex);
     if (!job_->finished.wait_for(lock, timeout, [&] { return job_->done.load(); })) {
-      throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
+      // Under the job's lock: the worker is not inside the bucket now and never enters it again.
+      job_->cancel();
+      const int missing = job_->waiting_for.load();
+      throw std::runtime_error(
+          "timed out after " + std::to_string(timeout.count()) + " ms" +
+          (missing >= 0 ? " waiting for rank " + std::to_string(missing)
+                        : std::string(" (earlier all-reduces still running, or not yet started)")) +
+          "; the all-reduce was cancelled (nothing is written into the bucket any more, and "
+          "the peers' all-reduce fails too). Raise the FusedReducer's timeout if the ranks are "
+          "just slow");
     }
     if (!job_->error.empty()) {
       throw std::runtime_error(job_->error);
@@ -100,56 +97,51 @@ class PendingShm : public PendingCollective {
   }
 
  private:
+  at::Tensor flat_;
   std::shared_ptr<ShmTransport::Job> job_;
 };
 
-// False once `pid` has exited, also while it is a zombie not yet reaped by its
-// parent (kill() still succeeds then).
-bool process_alive(pid_t pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::string path = "/proc/" + std::to_string(pid) + "/stat";
-  FILE* file = std::fopen(path.c_str(), "r");
-  if (file == nullptr) return true;  // no /proc: trust kill()
-  char line[512];
-  const size_t n = std::fread(line, 1, sizeof(line) - 1, file);
-  std::fclose(file);
-  line[n] = '\0';
-  const char* state = std::strrchr(line, ')');  // "pid (comm) S ..."
-  return state == nullptr || state[1] == '\0' || (state[2] != 'Z' && state[2] != 'X');
+std::string dtype_name(int32_t code) {
+  if (code >= 0 && code < static_cast<int32_t>(at::ScalarType::NumOptions)) {
+    return c10::toString(static_cast<at::ScalarType>(code));
+  }
+  return "an unknown dtype (" + std::to_string(code) + ")";
 }
 
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+// The real type complex buckets are summed in, as (re, im) pairs.
+at::ScalarType sum_dtype_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kComplexFloat: return at::kFloat;
+    case at::kComplexDouble: return at::kDouble;
+    case at::kComplexHalf: return at::kHalf;
+    default: return dtype;
+  }
 }
 
-// out = in[0] + in[1] + ... in rank order (gradients; integers: the reducer's
-// used-parameter counts). Half types accumulate in float and round once, which for
-// two ranks is exactly what a half-precision add gives.
+// Half types accumulate in float and round once, which for two ranks is exactly
+// what a half-precision add gives.
 template <typename T>
-void sum_inputs(T* out, const std::vector<const T*>& in, int64_t n) {
-  if constexpr (!std::is_same_v<T, c10::Half> && !std::is_same_v<T, c10::BFloat16>) {
-    const T* a = in[0];
-    const T* b = in.size() > 1 ? in[1] : nullptr;
-    if (b == nullptr) {
-      std::memcpy(out, a, n * sizeof(T));
-      return;
+void sum_half(T* out, const std::vector<const T*>& in, int64_t n) {
+  constexpr int64_t kBlock = 512;
+  float acc[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<float>(in[0][start + i]);
+    for (size_t r = 1; r < in.size(); ++r) {
+      for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<float>(in[r][start + i]);
     }
-    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-    for (size_t r = 2; r < in.size(); ++r) {
-      const T* c = in[r];
-      for (int64_t i = 0; i < n; ++i) out[i] += c[i];
-    }
+    for (int64_t i = 0; i < len; ++i) out[start + i] = static_cast<T>(acc[i]);
+  }
+}
+
+template <typename T>
+void sum_slots(char* out, const std::vector<const char*>& in, int64_t n) {
+  std::vector<const T*> typed(in.size());
+  for (size_t r = 0; r < in.size(); ++r) typed[r] = reinterpret_cast<const T*>(in[r]);
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    sum_half(reinterpret_cast<T*>(out), typed, n);
   } else {
-    constexpr int64_t kBlock = 512;
-    float acc[kBlock];
-    for (int64_t start = 0; start < n; start += kBlock) {
-      const int64_t len = std::min(kBlock, n - start);
-      for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<float>(in[0][start + i]);
-      for (size_t r = 1; r < in.size(); ++r) {
-        for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<float>(in[r][start + i]);
-      }
-      for (int64_t i = 0; i < len; ++i) out[start + i] = static_cast<T>(acc[i]);
-    }
+    shm::sum_inputs(reinterpret_cast<T*>(out), typed, n);
   }
 }
 
@@ -157,277 +149,202 @@ void sum_inputs(T* out, const std::vector<const T*>& in, int64_t n) {
 
 ShmTransport::ShmTransport(const std::string& name, bool create, int rank, int world_size,
                            int64_t chunk_bytes, std::chrono::milliseconds timeout)
-    : shm_name_(name), rank_(rank), world_(world_size), chunk_bytes_(chunk_bytes),
-      timeout_(timeout) {
-  TORCH_CHECK(world_size >= 1 && world_size <= kMaxWorld, "FusedReducer shm transport: world size ",
-              world_size, " is outside 1..", kMaxWorld, "; use backend='process_group'");
+    : rank_(rank), world_(world_size), timeout_(shm::clamp_timeout(timeout)) {
+  TORCH_CHECK(world_size >= 1 && world_size <= shm::kMaxWorld,
+              "FusedReducer shm transport: world size ", world_size, " is outside 1..",
+              shm::kMaxWorld, "; use backend='process_group'");
   TORCH_CHECK(rank >= 0 && rank < world_size, "FusedReducer shm transport: rank ", rank,
               " outside the world of ", world_size);
-  TORCH_CHECK(chunk_bytes >= 4096 && chunk_bytes % 64 == 0,
-              "FusedReducer shm transport: chunk_bytes must be a multiple of 64, >= 4096; got ",
-              chunk_bytes);
-  mapped_bytes_ = Segment::bytes(world_size, chunk_bytes);
-  int fd = shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
-  if (fd < 0) {
-    throw std::runtime_error(os_error("cannot open shared memory " + name));
-  }
-  if (create) {
-    // Reserve the pages now: an exhausted /dev/shm fails here, not with SIGBUS mid-step.
-    int err = posix_fallocate(fd, 0, static_cast<off_t>(mapped_bytes_));
-    if (err != 0) {
-      ::close(fd);
-      shm_unlink(name.c_str());
-      errno = err;
-      throw std::runtime_error(os_error("cannot reserve " + std::to_string(mapped_bytes_ >> 20) +
-                                        " MiB of shared memory in /dev/shm"));
-    }
-  } else {
-    struct stat info {};
-    if (fstat(fd, &info) != 0 || static_cast<size_t>(info.st_size) < mapped_bytes_) {
-      ::close(fd);
-      throw std::runtime_error("shared memory " + name + " is smaller than expected");
-    }
-  }
-  void* base = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    if (create) shm_unlink(name.c_str());
-    throw std::runtime_error(os_error("cannot map shared memory " + name));
-  }
-  if (create) {
-    segment_ = new (base) Segment();
-    segment_->world = world_size;
-    segment_->chunk_bytes = chunk_bytes;
-    std::atomic_thread_fence(std::memory_order_release);
-    segment_->magic = kMagic;
-  } else {
-    segment_ = static_cast<Segment*>(base);
-    if (segment_->magic != kMagic || segment_->world != world_size ||
-        segment_->chunk_bytes != chunk_bytes) {
-      munmap(base, mapped_bytes_);
-      segment_ = nullptr;
-      throw std::runtime_error("shared memory " + name +
-                               " was made for another world size or chunk size");
-    }
+  try {
+    segment_ = create ? shm::Segment::create(name, world_size, chunk_bytes)
+                      : shm::Segment::attach(name, world_size, chunk_bytes);
+  } catch (const shm::Error& e) {
+    TORCH_CHECK(false, "FusedReducer shm transport (rank ", rank, "): ", e.what());
   }
   owner_pid_ = getpid();
-  segment_->ranks[rank].pid.store(owner_pid_);
-  worker_ = std::thread([this] { run_worker(); });
+  segment_->register_rank(rank);
+  runtime_ = new Runtime();
+  runtime_->worker = std::thread([this] { run_worker(); });
 }
+
+bool ShmTransport::in_forked_child() const { return getpid() != owner_pid_; }
 
 ShmTransport::~ShmTransport() {
+  if (in_forked_child()) {
+    // Abandoned, not destroyed: See Note [Shared-memory transport in a forked child].
+    (void)segment_.release();
+    runtime_ = nullptr;
+    return;
+  }
   close(std::chrono::milliseconds(10000));
-  if (segment_ != nullptr && getpid() == owner_pid_) {
-    munmap(segment_, mapped_bytes_);
-  }
+  delete runtime_;
 }
 
-void ShmTransport::unlink() { shm_unlink(shm_name_.c_str()); }
+void ShmTransport::unlink() { segment_->unlink(); }
 
-void ShmTransport::start_peer_checks() {
-  // Ranks in another pid namespace (containers sharing /dev/shm) are not
-  // visible; then only the timeout and the stop word guard the waits.
-  bool visible = true;
-  for (int r = 0; r < world_; ++r) {
-    pid_t pid = static_cast<pid_t>(segment_->ranks[r].pid.load());
-    visible = visible && pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
-  }
-  check_peers_ = visible;
-}
+void ShmTransport::start_peer_checks() { check_peers_ = segment_->peers_watchable(); }
 
 std::unique_ptr<PendingCollective> ShmTransport::allreduce_sum(at::Tensor& flat) {
+  TORCH_CHECK(!in_forked_child(), "FusedReducer shm transport: all-reduce in a forked child (pid ",
+              getpid(), ") of the training process; a DataLoader worker or other child cannot "
+              "take part in the parent's all-reduces");
   TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(),
               "FusedReducer shm transport: buckets must be contiguous CPU tensors; got ",
               flat.device(), flat.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(!flat.is_conj() && !flat.is_neg(),
+              "FusedReducer shm transport: the bucket is a lazily conjugated or negated view; "
+              "call .resolve_conj().resolve_neg() first");
   const auto dtype = flat.scalar_type();
-  const bool summable = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                        dtype == at::kBFloat16 || dtype == at::kByte || dtype == at::kChar ||
-                        dtype == at::kShort || dtype == at::kInt || dtype == at::kLong;
+  const auto sum_dtype = sum_dtype_of(dtype);
+  const bool summable = sum_dtype == at::kFloat || sum_dtype == at::kDouble ||
+                        sum_dtype == at::kHalf || sum_dtype == at::kBFloat16 ||
+                        sum_dtype == at::kByte || sum_dtype == at::kChar ||
+                        sum_dtype == at::kShort || sum_dtype == at::kInt || sum_dtype == at::kLong;
   TORCH_CHECK(summable,
-              "FusedReducer shm transport sums real floating-point and integer buckets, not ",
+              "FusedReducer shm transport sums floating-point, complex and integer buckets, not ",
               dtype, "; use backend='process_group'");
   // Named as the backends name theirs ("gloo:all_reduce"), so profilers count it alike.
   RECORD_FUNCTION("shm:all_reduce", std::vector<c10::IValue>({flat}));
-  auto job = std::make_shared<Job>(flat);
+  auto job = std::make_shared<Job>();
+  job->data = static_cast<char*>(flat.data_ptr());
+  job->check_numel = flat.numel();
+  job->dtype = dtype;
+  job->sum_dtype = sum_dtype;
+  job->numel = flat.numel() * (sum_dtype != dtype ? 2 : 1);
+  job->owner = owner_pid_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stopping_, "FusedReducer shm transport: all-reduce after close()");
-    queue_.push_back(job);
+    std::lock_guard<std::mutex> lock(runtime_->mutex);
+    TORCH_CHECK(!runtime_->stopping, "FusedReducer shm transport: all-reduce after close()");
+    runtime_->queue.push_back(job);
   }
-  queued_.notify_one();
-  return std::make_unique<PendingShm>(std::move(job));
+  runtime_->queued.notify_one();
+  return std::make_unique<PendingShm>(flat, std::move(job));
 }
 
 void ShmTransport::check() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!error_.empty()) {
-    throw std::runtime_error(error_);
+  if (in_forked_child()) return;  // nothing of the parent's to report, and no lock to take
+  std::lock_guard<std::mutex> lock(runtime_->mutex);
+  if (!runtime_->error.empty()) {
+    throw std::runtime_error(runtime_->error);
   }
 }
 
 void ShmTransport::close(std::chrono::milliseconds deadline) {
-  if (getpid() != owner_pid_) {
-    return;  // a forked child (DataLoader worker): the worker thread and the peers are the parent's
+  if (in_forked_child()) {
+    return;  // the worker thread and the peers are the parent's
   }
+  Runtime& rt = *runtime_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!worker_.joinable()) return;
-    stopping_ = true;
+    std::unique_lock<std::mutex> lock(rt.mutex);
+    if (rt.closing) {  // another thread closes: return once it has
+      rt.closed_cv.wait(lock, [&] { return rt.closed; });
+      return;
+    }
+    rt.closing = true;
+    rt.stopping = true;
   }
   // Buckets already started get until the deadline; then the worker's waits give up.
-  abort_after_ = (std::chrono::steady_clock::now() + deadline).time_since_epoch().count();
-  queued_.notify_all();
-  worker_.join();
+  const auto now = std::chrono::steady_clock::now().time_since_epoch();
+  const auto grace = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      shm::clamp_timeout(deadline));
+  rt.abort_after = static_cast<int64_t>(now.count()) + grace.count();
+  rt.queued.notify_all();
+  rt.worker.join();
   // Peers still waiting for this rank fail at once instead of at their timeout.
-  stop_peers();
-}
-
-void ShmTransport::stop_peers() {
-  int32_t none = 0;
-  segment_->stopped.compare_exchange_strong(none, rank_ + 1);
-  segment_->wake.fetch_add(1);
-  futex(&segment_->wake, FUTEX_WAKE, INT_MAX, nullptr);
+  segment_->stop(rank_);
+  {
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    rt.closed = true;
+  }
+  rt.closed_cv.notify_all();
 }
 
 void ShmTransport::fail(const std::string& error) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (error_.empty()) error_ = error;
+    std::lock_guard<std::mutex> lock(runtime_->mutex);
+    if (runtime_->error.empty()) runtime_->error = error;
   }
-  stop_peers();
+  segment_->stop(rank_);
 }
 
 void ShmTransport::run_worker() {
+  Runtime& rt = *runtime_;
+  const std::string cancelled = "an all-reduce of rank " + std::to_string(rank_) +
+                                " was cancelled (its wait timed out, or it was dropped unwaited); "
+                                "the shared-memory transport stopped";
   while (true) {
     std::shared_ptr<Job> job;
     std::string failure;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      job = queue_.front();
-      failure = error_;
+      std::unique_lock<std::mutex> lock(rt.mutex);
+      rt.queued.wait(lock, [&] { return rt.stopping || !rt.queue.empty(); });
+      if (rt.queue.empty()) return;
+      job = rt.queue.front();
+      failure = rt.error;
     }
     if (failure.empty()) {
       try {
-        reduce(job->flat);
+        reduce(*job);
+      } catch (const shm::Cancelled& e) {
+        failure = "rank " + std::to_string(rank_) + ": " + e.what();
+        fail(cancelled);
       } catch (const std::exception& e) {
         failure = e.what();
         fail(failure);
       }
     }
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.pop_front();
+      std::lock_guard<std::mutex> lock(rt.mutex);
+      rt.queue.pop_front();
     }
-    job->finish(failure);
+    bool cancelled_late = false;
+    {
+      std::lock_guard<std::mutex> lock(job->mutex);
+      // Cancelled after its last copy: the caller was told it failed, so this rank stops too.
+      cancelled_late = job->cancelled && failure.empty();
+      job->error = failure;
+      job->done = true;
+    }
+    job->finished.notify_all();
+    if (cancelled_late) {
+      fail(cancelled);
+    }
   }
 }
 
-void ShmTransport::arrive(uint64_t arrival) {
-  segment_->ranks[rank_].arrived.store(arrival);
-  segment_->wake.fetch_add(1);
-  if (segment_->sleepers.load() > 0) {
-    futex(&segment_->wake, FUTEX_WAKE, INT_MAX, nullptr);
+void ShmTransport::reduce(Job& job) {
+  const int64_t element = c10::elementSize(job.sum_dtype);
+  shm::BucketIo io;
+  io.numel = job.numel;
+  io.element_bytes = element;
+  io.check_numel = job.check_numel;
+  io.check_dtype = static_cast<int32_t>(job.dtype);
+  io.dtype_name = dtype_name;
+  // See Note [Shared-memory jobs and their buckets].
+  io.copy_in = [&](char* slot, int64_t first, int64_t count) {
+    std::lock_guard<std::mutex> lock(job.mutex);
+    if (job.cancelled) throw shm::Cancelled("the bucket's wait gave up before its data was sent");
+    std::memcpy(slot, job.data + first * element, count * element);
+  };
+  io.copy_out = [&](const char* slot, int64_t first, int64_t count) {
+    std::lock_guard<std::mutex> lock(job.mutex);
+    if (job.cancelled) throw shm::Cancelled("the bucket's wait gave up before the sum arrived");
+    std::memcpy(job.data + first * element, slot, count * element);
+  };
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, job.sum_dtype, "shm_sum", [&] {
+    io.sum = sum_slots<scalar_t>;
+  });
+  {
+    std::lock_guard<std::mutex> lock(job.mutex);
+    if (job.cancelled) throw shm::Cancelled("the bucket was dropped or its wait gave up before it started");
   }
-}
-
-void ShmTransport::wait_for_all(uint64_t arrival, const char* phase) {
-  const auto start = std::chrono::steady_clock::now();
-  auto last_peer_check = start;
-  for (int round = 0;; ++round) {
-    const uint32_t seen = segment_->wake.load();
-    int missing = -1;
-    for (int r = 0; r < world_ && missing < 0; ++r) {
-      if (segment_->ranks[r].arrived.load() < arrival) missing = r;
-    }
-    if (missing < 0) return;
-    const int32_t stopped = segment_->stopped.load();
-    if (stopped != 0) {
-      throw std::runtime_error("rank " + std::to_string(stopped - 1) +
-                               " stopped reducing (it failed, closed its FusedReducer or is "
-                               "exiting) while this rank waited for it (" + phase + ")");
-    }
-    if (round < 64) {  // a peer usually arrives within microseconds: spin briefly first
-      std::this_thread::yield();
-      continue;
-    }
-    const auto now = std::chrono::steady_clock::now();
-    if (now.time_since_epoch().count() > abort_after_.load()) {
-      throw std::runtime_error(std::string("closed while waiting for rank ") +
-                               std::to_string(missing) + " (" + phase + ")");
-    }
-    if (now - start > timeout_) {
-      throw std::runtime_error("timed out after " + std::to_string(timeout_.count()) +
-                               " ms waiting for rank " + std::to_string(missing) + " (" + phase +
-                               "); it may be stuck, or running other collectives in another order");
-    }
-    if (check_peers_ && now - last_peer_check > kPeerCheckEvery) {
-      last_peer_check = now;
-      const auto pid = static_cast<pid_t>(segment_->ranks[missing].pid.load());
-      if (!process_alive(pid)) {
-        throw std::runtime_error("rank " + std::to_string(missing) + " (pid " +
-                                 std::to_string(pid) + ") exited while this rank waited for it (" +
-                                 phase + ")");
-      }
-    }
-    timespec slice{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kSleepSlice).count()};
-    segment_->sleepers.fetch_add(1);
-    futex(&segment_->wake, FUTEX_WAIT, seen, &slice);
-    segment_->sleepers.fetch_sub(1);
-  }
-}
-
-void ShmTransport::reduce(at::Tensor& flat) {
-  const int64_t numel = flat.numel();
-  const int64_t element = flat.element_size();
-  const auto dtype = flat.scalar_type();
-  RankState& me = segment_->ranks[rank_];
-  me.numel.store(numel);
-  me.dtype.store(static_cast<int32_t>(dtype));
-  const int64_t chunk_elements = chunk_bytes_ / element;
-  char* data = static_cast<char*>(flat.data_ptr());
-  for (int64_t start = 0; start == 0 || start < numel; start += chunk_elements) {
-    const int64_t len = std::min(chunk_elements, numel - start);
-    const int set = static_cast<int>(chunks_done_ % 2);
-    const uint64_t copied_in = 2 * chunks_done_ + 1;
-    std::memcpy(segment_->slot(set, rank_), data + start * element, len * element);
-    arrive(copied_in);
-    wait_for_all(copied_in, "inputs");
-    if (start == 0) {
-      for (int r = 0; r < world_; ++r) {
-        const RankState& peer = segment_->ranks[r];
-        if (peer.numel.load() != numel || peer.dtype.load() != static_cast<int32_t>(dtype)) {
-          throw std::runtime_error(
-              "ranks reduce different buckets: this rank (" + std::to_string(rank_) + ") has " +
-              std::to_string(numel) + " elements of " + std::string(c10::toString(dtype)) +
-              ", rank " + std::to_string(r) + " has " + std::to_string(peer.numel.load()) +
-              " elements of " +
-              std::string(c10::toString(static_cast<at::ScalarType>(peer.dtype.load()))) +
-              "; the models (or their bucket settings) differ across ranks");
-        }
-      }
-    }
-    // This rank's part of the chunk, cache-line aligned.
-    const int64_t per_line = std::max<int64_t>(1, 64 / element);
-    const int64_t part = (len + world_ * per_line - 1) / (world_ * per_line) * per_line;
-    const int64_t lo = std::min(len, rank_ * part);
-    const int64_t hi = std::min(len, lo + part);
-    if (hi > lo) {
-      AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "shm_sum", [&] {
-        std::vector<const scalar_t*> inputs;
-        for (int r = 0; r < world_; ++r) {
-          inputs.push_back(reinterpret_cast<const scalar_t*>(segment_->slot(set, r)) + lo);
-        }
-        sum_inputs(reinterpret_cast<scalar_t*>(segment_->slot(set, world_)) + lo, inputs, hi - lo);
-      });
-    }
-    arrive(copied_in + 1);
-    wait_for_all(copied_in + 1, "sums");
-    std::memcpy(data + start * element, segment_->slot(set, world_), len * element);
-    ++chunks_done_;
-    if (numel == 0) break;
-  }
+  shm::WaitLimits limits;
+  limits.timeout = timeout_;
+  limits.abort_after_ns = &runtime_->abort_after;
+  limits.cancelled = &job.cancel_flag;
+  limits.check_peers = check_peers_;
+  limits.waiting_for = &job.waiting_for;
+  shm::reduce(*segment_, rank_, io, chunks_done_, limits);
 }
 
 }  // namespace fused_reducer

@@ -1,15 +1,14 @@
 // Shared-memory transport: every rank of the group on one host, CPU buckets.
 #pragma once
 
-#include <atomic>
-#include <cstdint>
-#include <condition_variable>
-#include <deque>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <thread>
+#include <sys/types.h>
 
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "shm_segment.h"
 #include "transport.h"
 
 namespace fused_reducer {
@@ -29,7 +28,30 @@ namespace fused_reducer {
 // reading chunk k-2's slots). One worker thread per rank runs the buckets in
 // the order they were started (the order every transport requires). Waits
 // sleep on a futex; they fail, never hang, when a peer process exits, closes
-// or fails (the segment's abort word), or after the timeout.
+// or fails (the segment's stop word), or after the timeout. The segment and
+// this protocol are torch-free (shm_segment.h); see Note [Shared-memory segment
+// trust] for what is read from the shared header and what never is.
+//
+// Note [Shared-memory jobs and their buckets]
+// A job never owns its bucket's tensor: the PendingCollective does (it is
+// released on the caller's thread, which holds the GIL when the caller is
+// Python; the worker releasing the last reference of a Python tensor needed the
+// GIL and deadlocked a destructor that held it). The worker touches the bucket
+// only under the job's lock and only while the job is not cancelled; a wait that
+// times out (or a PendingCollective dropped unwaited) cancels the job under that
+// lock, so nothing is written into a bucket after its wait returned, and the
+// worker then stops the segment: the peers fail that all-reduce too instead of
+// taking it for a success.
+//
+// Note [Shared-memory transport in a forked child]
+// A forked child (a DataLoader worker) inherits the transport object but not
+// the worker thread, and any of the parent's mutexes may have been held at fork
+// time. So everything with a thread or a lock (the runtime) lives on the heap;
+// in a child every entry point checks the pid first and touches no lock: the
+// destructor abandons the runtime (destroying a joinable std::thread aborts, and
+// ~condition_variable waits for the parent's waiters forever), waits and
+// all-reduces raise, close() returns. The segment is not mapped in the child at
+// all (MADV_DONTFORK).
 class ShmTransport : public Transport {
  public:
   // Creates (`create`, one rank) or maps the segment `name` (a POSIX shm name,
@@ -41,9 +63,10 @@ class ShmTransport : public Transport {
   // Removes the segment's name (every rank has mapped it by then): nothing is
   // left in /dev/shm even if a process is killed later.
   void unlink();
-  // Each rank's process id, once every rank has mapped the segment; liveness
-  // of peers is checked through them.
+  // Once every rank has mapped the segment: liveness of peers is checked
+  // through their pids when they are all in this pid namespace.
   void start_peer_checks();
+  bool watches_peers() const { return check_peers_; }
 
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
   std::string name() const override { return "shm"; }
@@ -51,35 +74,22 @@ class ShmTransport : public Transport {
   void close(std::chrono::milliseconds deadline) override;
 
   struct Job;
-  struct Segment;
+  struct Runtime;
 
  private:
   void run_worker();
-  void reduce(at::Tensor& flat);
-  void wait_for_all(uint64_t arrival, const char* phase);
-  void arrive(uint64_t arrival);
+  void reduce(Job& job);
   void fail(const std::string& error);
-  void stop_peers();  // marks the segment stopped by this rank and wakes the peers
+  bool in_forked_child() const;
 
-  std::string shm_name_;
   int rank_;
   int world_;
-  int64_t chunk_bytes_;
   std::chrono::milliseconds timeout_;
-  Segment* segment_ = nullptr;
-  size_t mapped_bytes_ = 0;
+  std::unique_ptr<shm::Segment> segment_;
   bool check_peers_ = false;
-  int owner_pid_ = 0;  // the process that made this transport (not a forked child)
+  pid_t owner_pid_ = 0;  // the process that made this transport (not a forked child)
   uint64_t chunks_done_ = 0;  // chunks summed so far: same count on every rank
-
-  std::mutex mutex_;
-  std::condition_variable queued_;
-  std::deque<std::shared_ptr<Job>> queue_;
-  bool stopping_ = false;
-  // close(): waits give up after this steady_clock time (ns since its epoch).
-  std::atomic<int64_t> abort_after_{INT64_MAX};
-  std::string error_;  // first failure; every later bucket fails with it
-  std::thread worker_;
+  Runtime* runtime_ = nullptr;  // See Note [Shared-memory transport in a forked child]
 };
 
 }  // namespace fused_reducer

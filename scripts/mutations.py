@@ -22,6 +22,7 @@ REDUCER_PY = "python/fused_reducer/reducer.py"
 K = "tests/test_mutant_killers.py::"
 EQ = "tests/test_equivalence_ddp.py::"
 BEH = "tests/test_dropin_behaviours.py::"
+SHM = "tests/test_shm_transport.py::"
 
 MUTATIONS = [
     # -- C++: the gradient path --------------------------------------------------------------------
@@ -512,7 +513,7 @@ MUTATIONS = [
     # -- the shared-memory transport ---------------------------------------------------------
     dict(
         id="shm-sum-drops-last-rank",
-        file="ext/shm_transport.cpp",
+        file="ext/shm_segment.h",
         edits=[("    for (size_t r = 2; r < in.size(); ++r) {\n      const T* c = in[r];",
                 "    for (size_t r = 2; r + 1 < in.size(); ++r) {\n      const T* c = in[r];")],
         why="the float sum stops one rank early: exact with two ranks, while with three every "
@@ -521,7 +522,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-part-misses-a-line",
-        file="ext/shm_transport.cpp",
+        file="ext/shm_segment.cpp",
         edits=[("    const int64_t hi = std::min(len, lo + part);",
                 "    const int64_t hi = std::min(len, lo + part - per_line);")],
         why="each rank sums one cache line less than its part of the chunk: those elements keep "
@@ -530,18 +531,18 @@ MUTATIONS = [
     ),
     dict(
         id="shm-no-bucket-size-check",
-        file="ext/shm_transport.cpp",
-        edits=[("    if (start == 0) {\n      for (int r = 0; r < world_; ++r) {",
-                "    if (false) {\n      for (int r = 0; r < world_; ++r) {")],
+        file="ext/shm_segment.cpp",
+        edits=[("    if (start == 0) {\n      for (int r = 0; r < world; ++r) {",
+                "    if (false) {\n      for (int r = 0; r < world; ++r) {")],
         why="ranks reducing buckets of different sizes (models that differ) are not told: the "
             "sums silently mix unrelated gradients, or ranks fall out of step and time out",
         tests=["tests/test_shm_transport.py::test_different_buckets_across_ranks_raise_on_every_rank_naming_the_sizes"],
     ),
     dict(
         id="shm-zombie-peer-alive",
-        file="ext/shm_transport.cpp",
-        edits=[("  return state == nullptr || state[1] == '\\0' || (state[2] != 'Z' && state[2] != 'X');",
-                "  return true;")],
+        file="ext/shm_segment.cpp",
+        edits=[("  if (state == 'Z' || state == 'X') return false;    // exited, not yet reaped",
+                "")],
         why="a peer that exited but is not yet reaped (a zombie: kill() still succeeds) counts "
             "as alive: the survivor waits out the whole timeout (10 minutes) instead of raising",
         tests=["tests/test_errors.py::test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket"],
@@ -549,8 +550,8 @@ MUTATIONS = [
     dict(
         id="shm-close-leaves-peers-waiting",
         file="ext/shm_transport.cpp",
-        edits=[("  worker_.join();\n  // Peers still waiting for this rank fail at once instead of at their timeout.\n  stop_peers();",
-                "  worker_.join();")],
+        edits=[("  rt.worker.join();\n  // Peers still waiting for this rank fail at once instead of at their timeout.\n  segment_->stop(rank_);",
+                "  rt.worker.join();")],
         why="a rank that closes its FusedReducer does not mark the segment: peers blocked on it "
             "wait out their timeout instead of failing at once naming it",
         tests=["tests/test_shm_transport.py::test_a_peer_that_closes_makes_the_waiting_ranks_raise_promptly_naming_it"],
@@ -563,5 +564,95 @@ MUTATIONS = [
         why="backend='auto' raises where shared memory cannot be used (ranks on several hosts, a "
             "full /dev/shm) instead of using the process group: multi-node CPU training breaks",
         tests=["tests/test_shm_transport.py::test_auto_falls_back_to_the_process_group_across_hosts_and_shm_raises"],
+    ),
+    # -- the shared-memory transport: issue 20 (shared hosts, forks, timeouts, small containers) --
+    dict(
+        id="shm-forked-child-destroys-runtime",
+        file="ext/shm_transport.cpp",
+        edits=[("    (void)segment_.release();\n    runtime_ = nullptr;\n    return;\n  }",
+                "    (void)segment_.release();\n  }")],
+        why="a forked child (a DataLoader worker) that drops its copy of the model destroys the "
+            "parent's runtime: a joinable std::thread aborts the child (SIGABRT), or "
+            "~condition_variable waits forever for the parent's waiter",
+        tests=[SHM + "test_a_forked_child_dropping_the_model_exits_cleanly_and_does_not_disturb_training"],
+    ),
+    dict(
+        id="shm-timeout-does-not-cancel",
+        file="ext/shm_transport.cpp",
+        edits=[("      // Under the job's lock: the worker is not inside the bucket now and never enters it again.\n      job_->cancel();",
+                "      // Under the job's lock: the worker is not inside the bucket now and never enters it again.")],
+        why="a wait that timed out leaves its job running: the late sum is written into the "
+            "bucket after the caller was told it failed, and the peers take it for a success. "
+            "(The worker checks the cancellation three times: in its waits, before it arrives "
+            "for the sums and under the job's lock before the copy-out; removing one alone "
+            "changes nothing a test can time, so only the cancellation itself is mutated.)",
+        tests=[SHM + "test_a_timed_out_wait_cancels_its_all_reduce_on_every_rank"],
+    ),
+    dict(
+        id="shm-attach-ignores-mode",
+        file="ext/shm_segment.cpp",
+        edits=[("  } else if ((info.st_mode & 07777) != 0600) {", "  } else if (false) {")],
+        why="a segment that others can read or write (mode widened by another process, or made "
+            "by another user's process under a guessed name) is attached to without complaint",
+        tests=[SHM + "test_a_header_rewritten_by_another_process_moves_no_slot_and_a_wide_mode_is_refused"],
+    ),
+    dict(
+        id="shm-slots-from-shared-header",
+        file="ext/shm_segment.h",
+        edits=[("  char* slot(int set, int index) { return base_ + layout_.slot_offset(set, index); }",
+                "  char* slot(int set, int index) {\n"
+                "    Layout shared = layout_;\n"
+                "    shared.world = header_->world;\n"
+                "    shared.chunk_bytes = header_->chunk_bytes;\n"
+                "    return base_ + shared.slot_offset(set, index);\n"
+                "  }")],
+        why="slot offsets are recomputed from the world size and chunk size in the shared "
+            "header: a process that rewrites them makes every rank read and write out of bounds",
+        tests=[SHM + "test_a_header_rewritten_by_another_process_moves_no_slot_and_a_wide_mode_is_refused"],
+    ),
+    dict(
+        id="shm-close-twice-joins-twice",
+        file="ext/shm_transport.cpp",
+        edits=[("    if (rt.closing) {  // another thread closes: return once it has",
+                "    if (rt.closed) {  // another thread closes: return once it has")],
+        why="close() from a second thread while the first still joins the worker joins it again "
+            "(std::system_error, or blocks forever)",
+        tests=[SHM + "test_close_from_two_threads_at_once_returns_in_both"],
+    ),
+    dict(
+        id="shm-timeout-inf-unclamped",
+        file="python/fused_reducer/transport.py",
+        edits=[("    return min(seconds, MAX_TIMEOUT_S)", "    return seconds")],
+        why="timeout=inf or timedelta.max reach the C++ conversion unclamped: the clamp there "
+            "keeps the shm and process-group waits right, but FusedReducer reports and stores a "
+            "timeout no wait honours",
+        tests=[SHM + "test_infinite_timeouts_mean_no_timeout_and_nan_is_refused"],
+    ),
+    dict(
+        id="shm-parse-outside-rank-error-path",
+        file="python/fused_reducer/transport.py",
+        edits=[("            try:\n                name, chunk = _parse_created(created)\n",
+                "            name, chunk = _parse_created(created)\n            try:\n")],
+        why="a malformed segment name from the store raises on that rank outside the per-rank "
+            "error path: the other ranks wait for its answer until the store times out",
+        tests=[SHM + "test_a_malformed_store_value_on_rank_1_gives_every_rank_an_answer"],
+    ),
+    dict(
+        id="shm-keys-ignore-restart-attempt",
+        file="python/fused_reducer/transport.py",
+        edits=[('    prefix = f"fused_reducer/{restart_attempt()}/{topic}/{key}/{round_}/"',
+                '    prefix = f"fused_reducer/{topic}/{key}/{round_}/"')],
+        why="after a torchrun restart the new attempt reads the dead attempt's values from the "
+            "launcher's store (a segment name that is gone: silent fallback, or a hang)",
+        tests=[SHM + "test_store_keys_of_a_restarted_attempt_do_not_collide_with_the_last_ones"],
+    ),
+    dict(
+        id="shm-sweep-live-segments",
+        file="python/fused_reducer/transport.py",
+        edits=[("            if os.lstat(path).st_uid != os.geteuid() or not _process_exited(int(match.group(2))):",
+                "            if os.lstat(path).st_uid != os.geteuid():")],
+        why="the sweep removes segments of live processes too: a job starting on the host "
+            "deletes another job's segment during its rendezvous",
+        tests=[SHM + "test_segments_of_dead_processes_of_this_user_are_swept_and_live_ones_kept"],
     ),
 ]

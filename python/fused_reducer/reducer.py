@@ -20,7 +20,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
-from .transport import backend_of, check_one_rank_per_gpu, make_transport, resolve_backend
+from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
+                        timeout_seconds)
 from .settings import (check_bytes, check_reduce_dtype, get_default_first_bucket_bytes,
                        megabytes_to_bytes)
 
@@ -84,9 +85,7 @@ class FusedReducer(nn.Module, Joinable):
                                                       and last_bucket_mb == 0)
                       else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
         reduce_dtype = check_reduce_dtype(reduce_dtype)
-        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        timeout_s = timeout_seconds(timeout)  # inf / timedelta.max: a year, see there
         self.module = module
         self.process_group = _resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers

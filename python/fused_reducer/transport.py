@@ -1,8 +1,11 @@
 """Choosing how buckets move: NCCL directly (CUDA builds, CUDA parameters), shared memory (CPU
 parameters, every rank on one host), or any process group."""
+import math
 import os
+import re
 import socket
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -12,6 +15,24 @@ from . import _C
 BACKENDS = ("auto", "nccl", "shm", "process_group")
 SHM_CHUNK_BYTES = 4 << 20  # per slot; a bucket is summed in chunks of this size (Note [Shared-memory all-reduce])
 _SHM_MIN_CHUNK_BYTES = 256 << 10
+# The longest timeout: longer ones (inf, timedelta.max) mean "no timeout" and become this (the
+# same as kLongestTimeout in ext/shm_segment.h, where every conversion to milliseconds clamps).
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def timeout_seconds(timeout):
+    """A user's timeout (timedelta or seconds) as float seconds for every transport: inf,
+    timedelta.max and anything over a year mean "no timeout" and become MAX_TIMEOUT_S (a wait
+    turns it into a finite deadline; converted as given, they overflowed and every all-reduce
+    failed at once). NaN, zero and negative values raise ValueError."""
+    try:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a timedelta or a number of seconds, got "
+                         f"{timeout!r}") from None
+    if math.isnan(seconds) or not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return min(seconds, MAX_TIMEOUT_S)
 
 
 def nccl_built():
@@ -88,32 +109,34 @@ def backend_of(transport):
 
 def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     """(ShmTransport, None) when every rank of `group` maps one shared segment, else (None, why).
-    Collective over the group's store; every rank returns the same kind of answer."""
+    Collective over the group's store; every rank returns the same kind of answer, whatever
+    fails on whichever rank (nothing may leave a peer waiting for an exchange)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hosts = exchange(group, "shm-host", socket.gethostname())
     if len(set(hosts)) > 1:
         return None, f"the ranks are on several hosts ({', '.join(sorted(set(hosts)))})"
     created, transport = "", None
     if rank == 0:
-        chunk = _shm_chunk_bytes(world, chunk_bytes)
-        name = f"/fused_reducer_{os.getpid()}_{uuid.uuid4().hex[:12]}"
         try:
+            sweep_dead_segments()
+            chunk, why_not = _shm_chunk_bytes(world, chunk_bytes)
             if chunk is None:
-                needs = 4 * (world + 1) * min(chunk_bytes, _SHM_MIN_CHUNK_BYTES)
-                raise RuntimeError(f"/dev/shm has too little free space (needs {needs >> 10} KiB)")
+                raise RuntimeError(why_not)
+            name = f"/{shm_name_prefix()}{uuid.uuid4().hex[:12]}"
             transport = _C.ShmTransport(name, True, 0, world, chunk, timeout_s)
             created = f"{name}\t{chunk}"
         except Exception as e:  # noqa: BLE001 - every rank must get an answer
             created = f"!rank 0: {e}"
+    outcomes = None
     try:
         created = exchange(group, "shm-create", created)[0]
         if created.startswith("!"):
             return None, created[1:]
-        name, chunk = created.split("\t")
         outcome = "ok"
         if rank != 0:
             try:
-                transport = _C.ShmTransport(name, False, rank, world, int(chunk), timeout_s)
+                name, chunk = _parse_created(created)
+                transport = _C.ShmTransport(name, False, rank, world, chunk, timeout_s)
             except Exception as e:  # noqa: BLE001 - every rank must get an answer
                 transport, outcome = None, f"rank {rank}: {e}"
         outcomes = exchange(group, "shm-attach", outcome)
@@ -129,19 +152,107 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     return transport, None
 
 
-def _shm_chunk_bytes(world, preferred):
-    """The largest chunk up to `preferred` whose two slot sets fit in half of /dev/shm's free
-    space (containers often give it only 64 MiB), or None when not even 256 KiB (or `preferred`,
-    if smaller) does."""
-    try:
-        stat = os.statvfs("/dev/shm")
-        free = stat.f_bavail * stat.f_frsize
-    except OSError:
-        return None
+def _parse_created(text):
+    """(name, chunk_bytes) from rank 0's 'name<TAB>chunk'; ValueError naming the value if it is
+    not one (another writer of the store's key, or another version of fused_reducer)."""
+    parts = text.split("\t")
+    if (len(parts) != 2 or not parts[0].startswith("/fused_reducer_") or "/" in parts[0][1:]
+            or not parts[1].isdigit()):
+        raise ValueError(f"rank 0's shared-memory segment arrived malformed through the store: "
+                         f"{text[:80]!r}")
+    return parts[0], int(parts[1])
+
+
+# -- sizing and cleaning /dev/shm -------------------------------------------------------------
+# A run reserves at most this share of /dev/shm's size, and of its free space: a container's
+# default 64 MiB is shared with the DataLoader workers (their batches travel through it) and with
+# other jobs on the host.
+SHM_SHARE_OF_SIZE = 1 / 8
+SHM_SHARE_OF_FREE = 1 / 4
+_SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"fused_reducer_(\d+)_(\d+)_[0-9a-f]{12}$")
+
+
+def shm_chunk_for(world, preferred, size, free):
+    """(chunk, None): the largest chunk up to `preferred` (halving, down to 256 KiB or
+    `preferred` if smaller) whose two sets of world + 1 slots fit in SHM_SHARE_OF_SIZE of /dev/shm's
+    `size` and SHM_SHARE_OF_FREE of its `free` bytes; else (None, why)."""
+    budget = min(int(size * SHM_SHARE_OF_SIZE), int(free * SHM_SHARE_OF_FREE))
     chunk, floor = preferred, min(preferred, _SHM_MIN_CHUNK_BYTES)
-    while chunk > floor and 2 * (world + 1) * chunk > free // 2:
+    while chunk > floor and 2 * (world + 1) * chunk > budget:
         chunk //= 2
-    return chunk if 2 * (world + 1) * chunk <= free // 2 else None
+    if 2 * (world + 1) * chunk <= budget:
+        return chunk, None
+    needs = 2 * (world + 1) * floor
+    return None, (f"/dev/shm is too small for {world} ranks: the segment needs {needs >> 10} KiB, "
+                  f"and a run takes at most 1/{round(1 / SHM_SHARE_OF_SIZE)} of its size "
+                  f"({size >> 20} MiB) and 1/{round(1 / SHM_SHARE_OF_FREE)} of its free space "
+                  f"({free >> 20} MiB), leaving the rest to DataLoader workers and other jobs; "
+                  "give the container more shared memory (e.g. docker run --shm-size=1g)")
+
+
+def _shm_chunk_bytes(world, preferred):
+    """shm_chunk_for() with /dev/shm's own size and free space."""
+    try:
+        stat = os.statvfs(_SHM_DIR)
+    except OSError as e:
+        return None, f"cannot read the size of {_SHM_DIR} (statvfs failed: {e})"
+    return shm_chunk_for(world, preferred, stat.f_blocks * stat.f_frsize,
+                         stat.f_bavail * stat.f_frsize)
+
+
+def _pid_namespace():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def shm_name_prefix(pid=None):
+    """Segment names are fused_reducer_<pid namespace>_<creator pid>_<random>: a later run can
+    tell which ones a dead process of its own left behind (sweep_dead_segments)."""
+    return f"fused_reducer_{_pid_namespace()}_{os.getpid() if pid is None else pid}_"
+
+
+def _process_exited(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+def sweep_dead_segments(directory=_SHM_DIR):
+    """Remove the segments that this user's dead processes left: a rank 0 killed (SIGKILL, or
+    torchrun stopping the job) after creating a segment and before every rank mapped it (then
+    its name is removed) leaves it in /dev/shm. Only names of this pid namespace, owned by this
+    user, whose creating process has exited. Returns the names removed."""
+    namespace = _pid_namespace()
+    try:
+        names = os.listdir(directory) if namespace else []
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _SHM_NAME.match(name)
+        if match is None or int(match.group(1)) != namespace:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid() or not _process_exited(int(match.group(2))):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 def control_allreduce(values, op, group, device):
@@ -206,9 +317,16 @@ def exchange(group, topic, text):
         dist.distributed_c10d, "_get_process_group_name") else str(id(group))
     round_ = _exchange_rounds.get((key, topic), 0)
     _exchange_rounds[(key, topic)] = round_ + 1
-    prefix = f"fused_reducer/{topic}/{key}/{round_}/"
+    prefix = f"fused_reducer/{restart_attempt()}/{topic}/{key}/{round_}/"
     store.set(prefix + str(rank), text)
     return [store.get(prefix + str(r)).decode() for r in range(world)]
+
+
+def restart_attempt():
+    """torchrun's restart count: its store outlives the workers it restarts, so an attempt's keys
+    must differ from the last attempt's (whose values would be read as this one's; a segment
+    name of a dead attempt made backend='auto' fall back, or a rank wait forever)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def _group_store(group):
