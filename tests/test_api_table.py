@@ -250,10 +250,13 @@ COVERAGE = {
         A + "test_bucket_sizes_and_names_are_what_moves_in_launch_order",
         A + "test_step_history_and_trace_time_each_bucket_like_the_tests_own_clock",
     ],
-    "gradients are scaled by 1/world size in the copy, then summed": [
+    "gradients are scaled by 1/world size in the copy, then summed, on every transport (never "
+    "NCCL's `ncclAvg`)": [
         "test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
         "test_equivalence_ddp.py::test_fp32_grads_match_ddp_with_default_cap",
         A + "test_gradients_are_scaled_before_they_are_summed_like_ddp",
+        "test_exactness.py::test_fp32_averages_are_ddps_arithmetic_scaled_in_the_copy_then_summed",
+        "test_exactness.py::test_half_precision_averages_are_no_further_from_float64_than_ddps",
     ],
     "parameters and buffers broadcast from rank 0 at construction, buffers before each forward "
     "that follows a synchronised one (`broadcast_buffers`; not after `no_sync`/`no_grad` forwards; "
@@ -278,6 +281,10 @@ COVERAGE = {
         "test_mutant_killers.py::test_backward_of_the_inner_module_stays_local",
         "test_errors.py::test_second_backward_of_one_forward_stays_local_like_ddp_then_training_recovers",
         "test_dropin_behaviours.py::test_backward_through_inner_module_after_training_is_local_and_does_not_raise",
+    ],
+    "`no_sync()` nests (leaving it restores the previous setting, also when its body raises)": [
+        "test_exactness.py::test_no_sync_nests_like_ddp_and_restores_the_previous_setting_when_the_body_raises",
+        "test_mutant_killers.py::test_exception_inside_no_sync_leaves_sync_on",
     ],
     # "Switching from DDP": Identical (one entry per item)
     "`state_dict()` keys (`module.` prefix: DDP checkpoints load into FusedReducer and back)": [
