@@ -25,16 +25,16 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                       const std::string& control_device,
                                       std::shared_ptr<fused_reducer::Transport> transport,
-                                      int64_t first_bucket_bytes,
-                                      int64_t bucket_cap_bytes,
+                                      std::vector<int64_t> bucket_caps_bytes,
+                                      bool ddp_first_layout,
                                       bool gradient_as_bucket_view,
                                       bool find_unused_parameters,
                                       double timeout_seconds,
                                       int64_t last_bucket_bytes,
                                       std::optional<at::ScalarType> reduce_dtype) {
   fused_reducer::ReducerOptions options;
-  options.first_bucket_bytes = first_bucket_bytes;
-  options.bucket_cap_bytes = bucket_cap_bytes;
+  options.bucket_caps_bytes = std::move(bucket_caps_bytes);
+  options.ddp_first_layout = ddp_first_layout;
   options.last_bucket_bytes = last_bucket_bytes;
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
@@ -119,8 +119,9 @@ py::dict step_dict(const fused_reducer::StepTiming& step) {
   d["finalize_end_us"] = step.finalize_end_us;
   d["exposed_wait_us"] = step.exposed_wait_us;
   d["overlap"] = step.overlap;
-  d["first_bucket_bytes"] = step.first_bucket_bytes;
-  d["bucket_cap_bytes"] = step.bucket_cap_bytes;
+  d["first_bucket_bytes"] = step.bucket_caps_bytes.front();
+  d["bucket_cap_bytes"] = step.bucket_caps_bytes.back();
+  d["bucket_caps_bytes"] = step.bucket_caps_bytes;
   d["last_bucket_bytes"] = step.last_bucket_bytes;
   d["reduce_dtype"] = dtype_or_none(step.reduce_dtype);
   d["buckets"] = bucket_dicts(step);
@@ -135,8 +136,9 @@ py::dict stats_dict(const Reducer& reducer) {
   d["allreduce_bytes"] = s.allreduce_bytes;
   d["rebuilds"] = s.rebuilds;
   d["copy_launches"] = s.copy_launches;
-  d["first_bucket_bytes"] = s.first_bucket_bytes;
-  d["bucket_cap_bytes"] = s.bucket_cap_bytes;
+  d["first_bucket_bytes"] = s.bucket_caps_bytes.front();
+  d["bucket_cap_bytes"] = s.bucket_caps_bytes.back();
+  d["bucket_caps_bytes"] = s.bucket_caps_bytes;
   d["last_bucket_bytes"] = s.last_bucket_bytes;
   d["buckets"] = s.buckets;
   d["reduce_dtype"] = dtype_or_none(s.reduce_dtype);
@@ -165,22 +167,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("assign_buckets",
         [](const std::vector<int64_t>& bytes, const std::vector<int64_t>& groups,
-           const std::vector<int64_t>& order, int64_t first_bytes, int64_t cap_bytes,
+           const std::vector<int64_t>& order, const std::vector<int64_t>& caps,
            int64_t last_bytes) {
           TORCH_CHECK(bytes.size() == groups.size(), "assign_buckets: one group per tensor");
           std::vector<fused_reducer::TensorInfo> infos;
           for (size_t i = 0; i < bytes.size(); ++i) {
             infos.push_back({bytes[i], groups[i]});
           }
-          return fused_reducer::assign_buckets(infos, order, {first_bytes, cap_bytes, last_bytes});
+          return fused_reducer::assign_buckets(infos, order, {caps, last_bytes});
         },
-        py::arg("bytes"), py::arg("groups"), py::arg("order"), py::arg("first_bytes"),
-        py::arg("cap_bytes"), py::arg("last_bytes") = 0,
+        py::arg("bytes"), py::arg("groups"), py::arg("order"), py::arg("caps"),
+        py::arg("last_bytes") = 0,
         "Bucket assignment (see Note [Bucket assignment]); returns parameter indices per bucket.");
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init(&make_reducer), py::arg("params"), py::arg("names"), py::arg("group"),
-           py::arg("control_device"), py::arg("transport"), py::arg("first_bucket_bytes"), py::arg("bucket_cap_bytes"),
+           py::arg("control_device"), py::arg("transport"), py::arg("bucket_caps_bytes"),
+           py::arg("ddp_first_layout"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
            py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
            py::arg("reduce_dtype") = py::none())
@@ -211,6 +214,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "find_unused_parameters: the used map a joined rank all-reduces (in place), as DDP")
       .def("bucket_numels", &Reducer::bucket_numels)
       .def("request_rebuild", &Reducer::request_rebuild)
+      .def_property("bucket_caps_bytes", &Reducer::bucket_caps_bytes,
+                    &Reducer::set_bucket_caps_bytes)
       .def_property("first_bucket_bytes", &Reducer::first_bucket_bytes,
                     &Reducer::set_first_bucket_bytes)
       .def_property("bucket_cap_bytes", &Reducer::bucket_cap_bytes,

@@ -13,6 +13,15 @@ void check_bucket_bytes(const std::string& setting, int64_t bytes) {
   }
 }
 
+void check_bucket_caps(const std::vector<int64_t>& caps) {
+  if (caps.empty()) {
+    throw std::invalid_argument("bucket_caps_bytes must list at least one size limit, got []");
+  }
+  for (size_t k = 0; k < caps.size(); ++k) {
+    check_bucket_bytes("bucket_caps_bytes[" + std::to_string(k) + "]", caps[k]);
+  }
+}
+
 void check_last_bucket_bytes(int64_t bytes) {
   if (bytes < 0) {
     throw std::invalid_argument(
@@ -25,8 +34,7 @@ std::vector<std::vector<int64_t>> assign_buckets(
     const std::vector<TensorInfo>& tensors,
     const std::vector<int64_t>& order,
     const BucketLimits& limits) {
-  check_bucket_bytes("first_bucket_bytes", limits.first_bytes);
-  check_bucket_bytes("bucket_cap_bytes", limits.cap_bytes);
+  check_bucket_caps(limits.caps);
   check_last_bucket_bytes(limits.last_bytes);
   if (order.size() != tensors.size()) {
     throw std::invalid_argument(
@@ -92,7 +100,8 @@ std::vector<std::vector<int64_t>> assign_buckets(
     OpenBucket& bucket = open[tensors[index].group];
     bucket.indices.push_back(index);
     bucket.bytes += tensors[index].bytes;
-    const int64_t limit = bucket.closed_before == 0 ? limits.first_bytes : limits.cap_bytes;
+    const int64_t limit = limits.caps[std::min<size_t>(
+        static_cast<size_t>(bucket.closed_before), limits.caps.size() - 1)];
     if (bucket.bytes >= limit) {
       closed.emplace_back(position[bucket.indices.front()], std::move(bucket.indices));
       bucket.indices.clear();

@@ -145,8 +145,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
       world_size_(group_->getSize()) {
   TORCH_CHECK(!params_.empty(), "FusedReducer: the module has no trainable parameters");
   TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
-  check_bucket_bytes("first_bucket_bytes", options_.first_bucket_bytes);
-  check_bucket_bytes("bucket_cap_bytes", options_.bucket_cap_bytes);
+  check_bucket_caps(options_.bucket_caps_bytes);
   check_last_bucket_bytes(options_.last_bucket_bytes);
   check_reduce_dtype(options_.reduce_dtype);
 
@@ -167,7 +166,14 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   for (size_t i = 0; i < order.size(); ++i) {
     order[i] = static_cast<int64_t>(order.size() - 1 - i);
   }
-  build_buckets(order);
+  if (options_.ddp_first_layout) {
+    std::reverse(order.begin(), order.end());
+    auto assignment = assign(order);
+    std::reverse(assignment.begin(), assignment.end());
+    build_buckets(assignment);
+  } else {
+    build_buckets(assign(order));
+  }
   reset_iteration();
   install_hooks();
 }
@@ -475,6 +481,13 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
 // End of backward
 // ---------------------------------------------------------------------------
 
+// DDP keeps its first layout for a bucket_cap_mb_list with
+// find_unused_parameters (the ready order may change from step to step), and so
+// does this reducer then; otherwise the first backward's order is used.
+bool Reducer::rebuilds_after_first_step() const {
+  return !(options_.ddp_first_layout && options_.find_unused_parameters);
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (ready_order_.empty()) {
@@ -554,7 +567,7 @@ void Reducer::finalize_backward() {
   if (!rebuilt_after_first_step_) {
     // The first backward showed the real ready order: lay buckets out by it.
     rebuilt_after_first_step_ = true;
-    rebuild_pending_ = true;
+    rebuild_pending_ = rebuilds_after_first_step();
   }
 }
 
@@ -568,8 +581,7 @@ void Reducer::record_step(double backward_end, double finalize_end) {
   step.forward_us = forward_time_ - origin;
   step.backward_end_us = backward_end - origin;
   step.finalize_end_us = finalize_end - origin;
-  step.first_bucket_bytes = options_.first_bucket_bytes;
-  step.bucket_cap_bytes = options_.bucket_cap_bytes;
+  step.bucket_caps_bytes = options_.bucket_caps_bytes;
   step.last_bucket_bytes = options_.last_bucket_bytes;
   step.reduce_dtype = stats_.reduce_dtype;  // of the layout this step ran with
   std::vector<std::pair<double, double>> busy;  // [launch, complete] per bucket
@@ -724,16 +736,22 @@ std::vector<int64_t> Reducer::observed_order() const {
 // broadcasts them; every rank then runs the same deterministic assignment on
 // parameters whose sizes were verified equal at construction.
 void Reducer::rebuild_from_rank0() {
+  // The message has the same length on every rank whatever their lists:
+  // [number of caps, last, reduce dtype, caps padded to `count`, order]. A
+  // group has at most `count` buckets, so later entries of a list never apply.
   const auto count = static_cast<int64_t>(params_.size());
-  constexpr int64_t kLimits = 4;  // first, cap, last, reduce dtype
-  at::Tensor message = at::empty({kLimits + count}, at::kLong);
+  constexpr int64_t kHeader = 3;
+  const int64_t ncaps =
+      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), count);
+  at::Tensor message = at::zeros({kHeader + 2 * count}, at::kLong);
   auto* data = message.data_ptr<int64_t>();
-  data[0] = options_.first_bucket_bytes;
-  data[1] = options_.bucket_cap_bytes;
-  data[2] = options_.last_bucket_bytes;
-  data[3] = options_.reduce_dtype ? static_cast<int64_t>(*options_.reduce_dtype) : kNoReduceDtype;
+  data[0] = ncaps;
+  data[1] = options_.last_bucket_bytes;
+  data[2] = options_.reduce_dtype ? static_cast<int64_t>(*options_.reduce_dtype) : kNoReduceDtype;
+  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,
+            data + kHeader);
   const auto order = observed_order();
-  std::copy(order.begin(), order.end(), data + kLimits);
+  std::copy(order.begin(), order.end(), data + kHeader + count);
 
   std::vector<at::Tensor> tensors{message.to(control_device_)};
   c10d::BroadcastOptions broadcast;
@@ -746,13 +764,12 @@ void Reducer::rebuild_from_rank0() {
   }
   message = tensors[0].cpu();
   data = message.data_ptr<int64_t>();
-  options_.first_bucket_bytes = data[0];
-  options_.bucket_cap_bytes = data[1];
-  options_.last_bucket_bytes = data[2];
-  options_.reduce_dtype = data[3] == kNoReduceDtype
+  options_.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);
+  options_.last_bucket_bytes = data[1];
+  options_.reduce_dtype = data[2] == kNoReduceDtype
                               ? std::nullopt
-                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3]));
-  build_buckets(std::vector<int64_t>(data + kLimits, data + kLimits + count));
+                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));
+  build_buckets(assign(std::vector<int64_t>(data + kHeader + count, data + kHeader + 2 * count)));
   rebuild_pending_ = false;
   stats_.rebuilds += 1;
 }
@@ -785,15 +802,16 @@ void Reducer::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) cons
   }
 }
 
-void Reducer::build_buckets(const std::vector<int64_t>& order) {
+std::vector<std::vector<int64_t>> Reducer::assign(const std::vector<int64_t>& order) {
   // Bucket limits count bytes of the bucket dtype (what the collective moves).
   for (size_t i = 0; i < params_.size(); ++i) {
     infos_[i].bytes = params_[i].numel() *
                       static_cast<int64_t>(c10::elementSize(bucket_dtype(static_cast<int64_t>(i))));
   }
-  const auto assignment = assign_buckets(
-      infos_, order,
-      {options_.first_bucket_bytes, options_.bucket_cap_bytes, options_.last_bucket_bytes});
+  return assign_buckets(infos_, order, {options_.bucket_caps_bytes, options_.last_bucket_bytes});
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
   std::vector<Bucket> buckets(assignment.size());
   bucket_of_.assign(params_.size(), -1);
   slot_of_.assign(params_.size(), -1);
@@ -834,8 +852,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
     bucket.pending = static_cast<int64_t>(bucket.params.size());
   }
   buckets_ = std::move(buckets);
-  stats_.first_bucket_bytes = options_.first_bucket_bytes;
-  stats_.bucket_cap_bytes = options_.bucket_cap_bytes;
+  stats_.bucket_caps_bytes = options_.bucket_caps_bytes;
   stats_.last_bucket_bytes = options_.last_bucket_bytes;
   stats_.reduce_dtype = options_.reduce_dtype;
 }
@@ -844,17 +861,34 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
 // Settings and introspection
 // ---------------------------------------------------------------------------
 
+void Reducer::set_bucket_caps_bytes(std::vector<int64_t> caps) {
+  check_bucket_caps(caps);
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.bucket_caps_bytes = std::move(caps);
+  rebuild_pending_ = true;
+}
+
+// A one-entry list [c] means [c, c]: setting the first limit or the cap of it
+// keeps the other at c.
 void Reducer::set_first_bucket_bytes(int64_t bytes) {
   check_bucket_bytes("first_bucket_bytes", bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  options_.first_bucket_bytes = bytes;
+  auto& caps = options_.bucket_caps_bytes;
+  if (caps.size() == 1) {
+    caps.push_back(caps.front());
+  }
+  caps.front() = bytes;
   rebuild_pending_ = true;
 }
 
 void Reducer::set_bucket_cap_bytes(int64_t bytes) {
   check_bucket_bytes("bucket_cap_bytes", bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  options_.bucket_cap_bytes = bytes;
+  auto& caps = options_.bucket_caps_bytes;
+  if (caps.size() == 1) {
+    caps.push_back(caps.front());
+  }
+  caps.back() = bytes;
   rebuild_pending_ = true;
 }
 
@@ -883,14 +917,19 @@ int64_t Reducer::last_bucket_bytes() const {
   return options_.last_bucket_bytes;
 }
 
+std::vector<int64_t> Reducer::bucket_caps_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.bucket_caps_bytes;
+}
+
 int64_t Reducer::first_bucket_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return options_.first_bucket_bytes;
+  return options_.bucket_caps_bytes.front();
 }
 
 int64_t Reducer::bucket_cap_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return options_.bucket_cap_bytes;
+  return options_.bucket_caps_bytes.back();
 }
 
 void Reducer::request_rebuild() {
@@ -955,7 +994,7 @@ void Reducer::note_shadowed_step() {
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   if (!rebuilt_after_first_step_) {
     rebuilt_after_first_step_ = true;
-    rebuild_pending_ = true;
+    rebuild_pending_ = rebuilds_after_first_step();
     if (last_ready_order_.empty()) {
       last_ready_order_ = observed_order();
     }

@@ -34,8 +34,15 @@
 namespace fused_reducer {
 
 struct ReducerOptions {
-  int64_t first_bucket_bytes;
-  int64_t bucket_cap_bytes;
+  // Size limits of each group's buckets in launch order, the last one
+  // repeating: [first_bucket_bytes, bucket_cap_bytes] unless the user set a
+  // longer list (bucket_caps_bytes; DDP's bucket_cap_mb_list).
+  std::vector<int64_t> bucket_caps_bytes;
+  // The first layout applies bucket_caps_bytes from the first *registered*
+  // parameter, then reverses the buckets: DDP's first layout for
+  // bucket_cap_mb_list. Otherwise (and in every rebuild) the limits apply in
+  // launch order, from the gradients expected first.
+  bool ddp_first_layout = false;
   int64_t last_bucket_bytes = 0;  // 0: no separate last bucket (see Note [Bucket assignment])
   bool gradient_as_bucket_view = false;
   bool find_unused_parameters = false;
@@ -55,8 +62,7 @@ struct ReducerStats {
   int64_t allreduce_bytes = 0;  // bytes they reduced
   int64_t rebuilds = 0;         // layout rebuilds after construction
   int64_t copy_launches = 0;    // fused CUDA copy kernels in the last completed step
-  int64_t first_bucket_bytes = 0;
-  int64_t bucket_cap_bytes = 0;
+  std::vector<int64_t> bucket_caps_bytes;
   int64_t last_bucket_bytes = 0;
   int64_t buckets = 0;
   std::optional<at::ScalarType> reduce_dtype;  // of the layout in force (nullopt: grads' own)
@@ -96,8 +102,7 @@ struct StepTiming {
   double finalize_end_us = 0;   // gradients written back
   double exposed_wait_us = 0;   // sum of the buckets' wait_us
   double overlap = 1.0;
-  int64_t first_bucket_bytes = 0;
-  int64_t bucket_cap_bytes = 0;
+  std::vector<int64_t> bucket_caps_bytes;
   int64_t last_bucket_bytes = 0;
   std::optional<at::ScalarType> reduce_dtype;
   std::vector<BucketTiming> buckets;
@@ -147,9 +152,13 @@ class Reducer {
 
   // Setting a limit takes effect at the next prepare_forward, through a
   // rebuild from the last observed ready order. See Note [Persistent limits].
+  // first_bucket_bytes is bucket_caps_bytes[0], bucket_cap_bytes its last
+  // entry (the limit of every later bucket); setting one keeps the others.
+  void set_bucket_caps_bytes(std::vector<int64_t> caps);
   void set_first_bucket_bytes(int64_t bytes);
   void set_bucket_cap_bytes(int64_t bytes);
   void set_last_bucket_bytes(int64_t bytes);  // 0: off
+  std::vector<int64_t> bucket_caps_bytes() const;
   int64_t first_bucket_bytes() const;
   int64_t bucket_cap_bytes() const;
   int64_t last_bucket_bytes() const;
@@ -220,7 +229,11 @@ class Reducer {
   void check_not_decided_unused(int64_t index) const;
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
-  void build_buckets(const std::vector<int64_t>& order);
+  // Bucket assignment of the options' limits over `order`, counting bytes of
+  // each parameter's bucket dtype.
+  std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order);
+  bool rebuilds_after_first_step() const;
+  void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   at::ScalarType bucket_dtype(int64_t index) const;  // of parameter `index`'s bucket
   void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
   void check_params_unchanged() const;

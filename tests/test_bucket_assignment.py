@@ -4,7 +4,8 @@ Note [Bucket assignment] (ext/bucket_assignment.h):
 * parameters are visited in `order`; each group (dtype, device) fills one open bucket at a time;
 * a bucket closes as soon as its byte size reaches its limit (size >= limit), so a parameter is
   never split and a bucket may exceed its limit;
-* the k-th bucket of a group has limit `first` for k == 0 and `cap` after;
+* the k-th bucket of a group has limit caps[k], the last entry repeating (`[first, cap]`: `first`
+  for k == 0 and `cap` after; a longer list is DDP's bucket_cap_mb_list);
 * buckets come back in launch order: by the position in `order` of their first parameter, each
   listing its parameter indices in `order` order;
 * with a last bucket (last > 0), each group's shortest suffix (in `order`) reaching `last` bytes
@@ -17,6 +18,10 @@ from fused_reducer import _C
 
 
 def reference_assign(sizes, groups, order, first, cap, last=0):
+    return reference_assign_caps(sizes, groups, order, [first, cap], last)
+
+
+def reference_assign_caps(sizes, groups, order, caps, last=0):
     """Straightforward re-statement of the rule; shares no code with the C++ version."""
     position = {index: pos for pos, index in enumerate(order)}
     finished = []
@@ -37,7 +42,7 @@ def reference_assign(sizes, groups, order, first, cap, last=0):
         state = open_buckets.setdefault(g, [[], 0, 0])
         state[0].append(index)
         state[1] += sizes[index]
-        limit = first if state[2] == 0 else cap
+        limit = caps[min(state[2], len(caps) - 1)]
         if state[1] >= limit:
             finished.append(state[0])
             open_buckets[g] = [[], 0, state[2] + 1]
@@ -46,7 +51,11 @@ def reference_assign(sizes, groups, order, first, cap, last=0):
 
 
 def assign(sizes, groups, order, first, cap, last=0):
-    return [list(b) for b in _C.assign_buckets(list(sizes), list(groups), list(order), first, cap,
+    return assign_caps(sizes, groups, order, [first, cap], last)
+
+
+def assign_caps(sizes, groups, order, caps, last=0):
+    return [list(b) for b in _C.assign_buckets(list(sizes), list(groups), list(order), list(caps),
                                                last)]
 
 
@@ -90,6 +99,18 @@ def test_assignment_with_last_bucket_matches_python_reference(problem):
     sizes, groups, order, first, cap, last = problem
     assert (assign(sizes, groups, order, first, cap, last)
             == reference_assign(sizes, groups, order, first, cap, last))
+
+
+@settings(max_examples=300, deadline=None)
+@given(bucketing_problems_with_last(), st.lists(st.one_of(st.integers(1, 128),
+                                                          st.integers(1, 10_000)),
+                                                min_size=1, max_size=6))
+def test_a_list_of_limits_matches_python_reference(problem, caps):
+    """DDP's bucket_cap_mb_list: the k-th bucket of each group closes at caps[k], the last
+    entry repeating."""
+    sizes, groups, order, _, _, last = problem
+    assert (assign_caps(sizes, groups, order, caps, last)
+            == reference_assign_caps(sizes, groups, order, caps, last))
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,8 +202,8 @@ def test_empty_input_gives_no_buckets():
 
 
 @pytest.mark.parametrize("first, cap, setting", [
-    (0, 10, "first_bucket_bytes"), (-1, 10, "first_bucket_bytes"),
-    (10, 0, "bucket_cap_bytes"), (10, -5, "bucket_cap_bytes"),
+    (0, 10, r"bucket_caps_bytes\[0\]"), (-1, 10, r"bucket_caps_bytes\[0\]"),
+    (10, 0, r"bucket_caps_bytes\[1\]"), (10, -5, r"bucket_caps_bytes\[1\]"),
 ])
 def test_non_positive_limits_raise_value_error_naming_the_setting(first, cap, setting):
     with pytest.raises(ValueError, match=setting):

@@ -123,8 +123,8 @@ def check_construction_arguments(rank, world_size):
     out = {}
     for arg in ("bucket_cap_mb", "first_bucket_mb"):
         for bad in BAD_MB:
-            if arg == "first_bucket_mb" and bad is None:
-                continue  # None means "use the process-wide default"
+            if bad is None:
+                continue  # both default to None (bucket_cap_mb as in DDP: 25 MiB)  # None means "use the process-wide default"
             out[(arg, repr(bad))] = outcome(lambda: FusedReducer(small_model(), **{arg: bad}))
     for raw in ("abc", "0", "-3", "1.5"):
         os.environ[ENV] = raw
@@ -244,8 +244,8 @@ def test_invalid_mb_sizes_raise_value_or_type_error_naming_the_argument_on_every
                                                                                       arg):
     for rank, results in enumerate(per_rank(outcomes, "check_construction_arguments")):
         for bad in BAD_MB:
-            if arg == "first_bucket_mb" and bad is None:
-                continue
+            if bad is None:
+                continue  # both default to None (bucket_cap_mb as in DDP: 25 MiB)
             kind, message = results[(arg, repr(bad))]
             numeric = isinstance(bad, (int, float)) and not isinstance(bad, bool)
             assert kind == ("ValueError" if numeric else "TypeError"), (rank, bad, kind, message)

@@ -476,7 +476,7 @@ def test_profile_round_trip(outcomes, tmp_path):
         assert p["world_size"] == 2 and p["device"] == "cpu"
         assert sum(q["bytes"] for q in p["params"]) == r["bytes"]
         assert p["limits"] == {"first_bucket_bytes": MiB // 16, "bucket_cap_bytes": MiB // 8,
-                               "last_bucket_bytes": 0}
+                               "last_bucket_bytes": 0, "bucket_caps_bytes": [MiB // 16, MiB // 8]}
         assert len(p["buckets"]) == r["buckets"]
         order = p["ready_order"]
         assert sorted(order) == list(range(len(p["params"])))

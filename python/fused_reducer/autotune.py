@@ -35,7 +35,7 @@ import weakref
 
 import torch.distributed as dist
 
-from .costmodel import CostModel, ParamInfo, candidate_grid
+from .costmodel import CostModel, ParamInfo, candidate, candidate_grid, caps_of, limits_json
 from .probe import probe_transport
 from .transport import control_allreduce
 
@@ -141,7 +141,7 @@ class Autotuner:
     def _make_plan(self):
         model = self.model
         reducer = model._reducer
-        self.incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
+        self.incumbent = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
         params = [p for p in model.module.parameters() if p.requires_grad]
         info = ParamInfo(params, model.reduce_dtype)
         latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group,
@@ -225,12 +225,10 @@ class Autotuner:
                           "copy_GBps": copy_rate * 1e6 / 1e9, "backward_us": backward_end}}
 
     # -- measuring -----------------------------------------------------------------------------
-    def _set(self, candidate):
-        first, cap, last = candidate
-        self.model.first_bucket_bytes = first
-        self.model.bucket_cap_bytes = cap
-        self.model.last_bucket_bytes = last
-        self.current = candidate
+    def _set(self, chosen):
+        self.model.bucket_caps_bytes = caps_of(chosen)
+        self.model.last_bucket_bytes = chosen[-1]
+        self.current = chosen
 
     def _next_trial(self):
         if not self.queue:
@@ -301,7 +299,7 @@ class Autotuner:
         if self.rank == 0:
             log.info("autotune: chose first_bucket_bytes=%d bucket_cap_bytes=%d "
                      "last_bucket_bytes=%d (%s): %.2f ms per step, starting configuration "
-                     "%.2f ms; %d configurations measured in %d steps", best[0], best[1], best[2],
+                     "%.2f ms; %d configurations measured in %d steps", best[0], best[-2], best[-1],
                      "the starting configuration" if best == self.incumbent else "faster",
                      self._median(best), incumbent_ms, len(self.plan), self.steps_used)
 
@@ -311,8 +309,7 @@ class Autotuner:
         for t in self.plan:
             c = tuple(t["candidate"])
             values = self.samples.get(c, [])
-            trials.append({"first_bucket_bytes": c[0], "bucket_cap_bytes": c[1],
-                           "last_bucket_bytes": c[2],
+            trials.append({**limits_json(c),
                            "step_ms": statistics.median(values) if values else None,
                            "samples_ms": list(values), "predicted_ms": t["predicted_ms"],
                            "predicted_contended_ms": t["predicted_contended_ms"],
@@ -320,12 +317,9 @@ class Autotuner:
                            "buckets": t["buckets"], "incumbent": c == self.incumbent})
         choice = None
         if self.choice is not None:
-            choice = {"first_bucket_bytes": self.choice[0], "bucket_cap_bytes": self.choice[1],
-                      "last_bucket_bytes": self.choice[2], "step_ms": self._median(self.choice)}
+            choice = {**limits_json(self.choice), "step_ms": self._median(self.choice)}
         return {"done": self.state == "done", "state": self.state, "trials": trials,
                 "choice": choice, "steps_used": self.steps_used,
                 "configurations_considered": self.considered, "model": self.model_info,
                 "decision": self.decision,
-                "incumbent": None if self.incumbent is None else {
-                    "first_bucket_bytes": self.incumbent[0], "bucket_cap_bytes": self.incumbent[1],
-                    "last_bucket_bytes": self.incumbent[2]}}
+                "incumbent": None if self.incumbent is None else limits_json(self.incumbent)}

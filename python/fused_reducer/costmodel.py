@@ -35,6 +35,30 @@ LAST_LADDER = (0, 256 * KiB, 1 * MiB, 4 * MiB)
 DDP_DEFAULT = (1 * MiB, 25 * MiB, 0)  # DDP's first bucket and cap; no separate last bucket
 
 
+# A candidate configuration is a tuple: the bucket limits in launch order (the last repeating),
+# then the last bucket's size: (first, cap, last) in the common case, (c0, c1, ..., ck, last)
+# for a list of limits (bucket_caps_bytes; DDP's bucket_cap_mb_list).
+def candidate(caps, last):
+    return tuple(int(c) for c in caps) + (int(last),)
+
+
+def caps_of(candidate_):
+    return list(candidate_[:-1])
+
+
+def limits_json(candidate_):
+    """A candidate as the reducer's setting names."""
+    return {"first_bucket_bytes": candidate_[0], "bucket_cap_bytes": candidate_[-2],
+            "last_bucket_bytes": candidate_[-1], "bucket_caps_bytes": caps_of(candidate_)}
+
+
+def candidate_from_json(limits):
+    """limits_json's inverse; dicts without bucket_caps_bytes (older files) are (first, cap)."""
+    caps = limits.get("bucket_caps_bytes") or (limits["first_bucket_bytes"],
+                                               limits["bucket_cap_bytes"])
+    return candidate(caps, limits["last_bucket_bytes"])
+
+
 def candidate_grid(group_bytes, incumbent, extra=()):
     """Every (first, cap, last) considered: ladder values up to the first one that holds the
     largest group whole, the values of the incumbent and of `extra` candidates, and no last
@@ -47,8 +71,8 @@ def candidate_grid(group_bytes, incumbent, extra=()):
             break
     pinned = [tuple(incumbent)] + [tuple(c) for c in extra]
     firsts = sorted(set(ladder) | {c[0] for c in pinned})
-    caps = sorted(set(ladder) | {c[1] for c in pinned})
-    lasts = sorted({v for v in LAST_LADDER if v == 0 or 2 * v <= total} | {c[2] for c in pinned})
+    caps = sorted(set(ladder) | {c[-2] for c in pinned})
+    lasts = sorted({v for v in LAST_LADDER if v == 0 or 2 * v <= total} | {c[-1] for c in pinned})
     return [(f, c, l) for f in firsts for c in caps for l in lasts]
 
 
@@ -63,12 +87,11 @@ class Gradients:
             totals[group] = totals.get(group, 0) + size
         self.group_bytes = list(totals.values())
 
-    def layout(self, order, candidate):
+    def layout(self, order, candidate_):
         """Parameter indices per bucket, in launch order: the reducer's own assignment."""
         from . import _C
-        first, cap, last = candidate
         return tuple(tuple(b) for b in _C.assign_buckets(self.sizes, self.groups, list(order),
-                                                         first, cap, last))
+                                                         caps_of(candidate_), candidate_[-1]))
 
 
 class ParamInfo(Gradients):

@@ -47,7 +47,7 @@ class FusedReducerJoinHook(JoinHook):
         model = self.model
         source = common_rank(model, is_last_joiner)
         tensors = [p.detach() for p in model.module.parameters()]
-        if model.broadcast_buffers:
+        if model.forward_sync_buffers:
             tensors += list(model.module.buffers())
         model._broadcast(tensors, source)
         model._reducer.set_divide_factor(0)

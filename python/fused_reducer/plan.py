@@ -20,8 +20,8 @@ import os
 import sys
 
 from .costmodel import (DDP_DEFAULT, MiB, CostModel, Gradients, Link, Network,
-                        ProbedCollective, calibrated_network, candidate_grid, check_topology,
-                        overlap_cost, predict_step)
+                        ProbedCollective, calibrated_network, candidate_from_json, candidate_grid,
+                        check_topology, limits_json, overlap_cost, predict_step)
 from .profile import ProfileError, load_profile, step_compute
 
 PLAN_FORMAT = "fused_reducer.plan"
@@ -327,8 +327,7 @@ def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="aut
         def row(candidate, key=None):
             key = key or layout_of[candidate]
             p = predicted[key]
-            return {"first_bucket_bytes": candidate[0], "bucket_cap_bytes": candidate[1],
-                    "last_bucket_bytes": candidate[2], "buckets": p.buckets,
+            return {**limits_json(candidate), "buckets": p.buckets,
                     "step_ms": p.step_us / 1e3, "exposed_comm_ms": p.exposed_us / 1e3,
                     "comm_ms": p.comm_us / 1e3}
 
@@ -351,7 +350,7 @@ def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="aut
                     "world_size": profile["world_size"], "device": profile["device"],
                     "transport": profile.get("transport"), "machine": profile.get("machine"),
                     "software": profile.get("software"), "parameters": len(gradients.sizes),
-                    "gradient_bytes": sum(gradients.sizes), "limits": _limits_json(incumbent)},
+                    "gradient_bytes": sum(gradients.sizes), "limits": limits_json(incumbent)},
         "network": {"intra": network.intra.to_json(), "inter": network.inter.to_json(),
                     "launch_us": network.launch_us},
         "overlap": planner.overlap, "overlap_cost": planner.overlap_cost,
@@ -362,14 +361,7 @@ def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="aut
 
 
 def _limits(profile):
-    lim = profile["limits"]
-    return (int(lim["first_bucket_bytes"]), int(lim["bucket_cap_bytes"]),
-            int(lim["last_bucket_bytes"]))
-
-
-def _limits_json(candidate):
-    return {"first_bucket_bytes": candidate[0], "bucket_cap_bytes": candidate[1],
-            "last_bucket_bytes": candidate[2]}
+    return candidate_from_json(profile["limits"])
 
 
 def _recorded_collective(profile, network, metas):
@@ -403,17 +395,16 @@ def hinted_layouts(hint, world):
                              f"--json (format {hint.get('format')!r})")
         entry = min(hint["worlds"], key=lambda e: (abs(math.log(e["world_size"] / world)),
                                                    e["world_size"]))
-        hint = [(r["first_bucket_bytes"], r["bucket_cap_bytes"], r["last_bucket_bytes"])
-                for r in entry["best_layouts"]]
+        hint = [candidate_from_json(r) for r in entry["best_layouts"]]
     try:
         candidates = [tuple(int(v) for v in c) for c in hint]
     except (TypeError, ValueError):
         raise ValueError(f"planner_hint must be a plan, a plan file or a list of (first, cap, "
                          f"last), got {hint!r}") from None
     for c in candidates:
-        if len(c) != 3 or c[0] <= 0 or c[1] <= 0 or c[2] < 0:
+        if len(c) < 2 or min(c[:-1]) <= 0 or c[-1] < 0:
             raise ValueError(f"planner_hint layout {c!r}: need (first > 0, cap > 0, last >= 0) "
-                             f"bytes")
+                             f"bytes, or (limit > 0, ..., last >= 0)")
     return list(dict.fromkeys(candidates))
 
 
@@ -428,8 +419,8 @@ def _size(nbytes):
 
 
 def _triple(r):
-    return f"({_size(r['first_bucket_bytes'])}, {_size(r['bucket_cap_bytes'])}, " \
-           f"{_size(r['last_bucket_bytes'])})"
+    caps = r.get("bucket_caps_bytes") or [r["first_bucket_bytes"], r["bucket_cap_bytes"]]
+    return "(" + ", ".join(_size(c) for c in caps) + f", {_size(r['last_bucket_bytes'])})"
 
 
 def format_plan(plan):

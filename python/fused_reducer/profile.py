@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .costmodel import ParamInfo
+from .costmodel import ParamInfo, candidate, limits_json
 from .probe import probe_transport
 
 FORMAT = "fused_reducer.profile"
@@ -89,9 +89,7 @@ def export_profile(model, path):
         "machine": _machine(model.device),
         "software": {"torch": torch.__version__, "nccl": build_info()["nccl_version"],
                      "fused_reducer_cuda_build": build_info()["cuda"]},
-        "limits": {"first_bucket_bytes": last["first_bucket_bytes"],
-                   "bucket_cap_bytes": last["bucket_cap_bytes"],
-                   "last_bucket_bytes": last["last_bucket_bytes"]},
+        "limits": limits_json(candidate(last["bucket_caps_bytes"], last["last_bucket_bytes"])),
         "groups": info.group_names,
         "params": [{"name": name, "bytes": size, "group": g,
                     "ready_us": None if math.isnan(t) else t}

@@ -6,6 +6,7 @@ point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reduce
 import atexit
 import logging
 import os
+import warnings
 import weakref
 import zlib
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
                         timeout_seconds)
-from .settings import (check_bytes, check_reduce_dtype, get_default_first_bucket_bytes,
+from .settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
                        megabytes_to_bytes)
 
 _log = logging.getLogger("fused_reducer")
@@ -66,29 +67,38 @@ class FusedReducer(nn.Module, Joinable):
     (collective). See docs/DDP_MIGRATION.md.
     """
 
-    def __init__(self, module, process_group=None, bucket_cap_mb=25, first_bucket_mb=None,
+    def __init__(self, module, process_group=None, bucket_cap_mb=None, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
-                 broadcast_buffers=True, backend="auto", timeout=timedelta(minutes=10),
+                 broadcast_buffers=None, backend="auto", timeout=timedelta(minutes=10),
                  last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None,
-                 device_ids=None, output_device=None):
+                 device_ids=None, output_device=None, *, bucket_cap_mb_list=None,
+                 forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
+                 mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
+                 skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
+                 param_to_hook_all_reduce=None):
         super().__init__()
         Joinable.__init__(self)
-        if static_graph:
-            raise FusedReducerError(
-                "FusedReducer: static_graph=True is not supported. It is not needed for "
-                "reentrant activation checkpointing, which FusedReducer handles without it; for "
-                "parameters unused in forward, pass find_unused_parameters=True instead.")
-        cap_bytes = megabytes_to_bytes("bucket_cap_mb", bucket_cap_mb)
-        first_bytes = (get_default_first_bucket_bytes() if first_bucket_mb is None
-                       else megabytes_to_bytes("first_bucket_mb", first_bucket_mb))
+        _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
+                                          param_to_hook_all_reduce, skip_all_reduce_unused_params)
+        if check_reduction:
+            warnings.warn("check_reduction is deprecated in DDP and has no effect in "
+                          "FusedReducer either (every step reduces every bucket)", FutureWarning,
+                          stacklevel=2)
+        caps = bucket_limits(bucket_cap_mb, first_bucket_mb, bucket_cap_mb_list)
         last_bytes = (0 if last_bucket_mb is None or (not isinstance(last_bucket_mb, bool)
                                                       and last_bucket_mb == 0)
                       else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
-        reduce_dtype = check_reduce_dtype(reduce_dtype)
+        reduce_dtype = check_reduce_dtype(_reduce_dtype_of(mixed_precision, reduce_dtype))
         timeout_s = timeout_seconds(timeout)  # inf / timedelta.max: a year, see there
         self.module = module
-        self.process_group = _resolve_group(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        self.process_group = _resolve_group(_group_of(process_group, device_mesh))
+        self.device_mesh = device_mesh
+        self.dim = dim  # as in DDP with one device per process: kept, not used
+        self.batched_grad_copy = batched_grad_copy  # FusedReducer always copies a bucket at once
+        self.mixed_precision = mixed_precision
+        self.init_sync = init_sync
+        self.forward_sync_buffers, self._init_sync_buffers = _buffer_sync_settings(
+            broadcast_buffers, forward_sync_buffers)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
 
@@ -109,7 +119,9 @@ class FusedReducer(nn.Module, Joinable):
         self._backend_request = backend
         self.backend = resolve_backend(backend, self.device)  # what _attach tries first
         self._timeout_s = timeout_s
-        self._limits = (first_bytes, cap_bytes, last_bytes)  # kept for re-attaching after pickling
+        self._limits = (caps, last_bytes)  # kept for re-attaching after pickling
+        # DDP's first layout for a bucket_cap_mb_list (see Note [Bucket assignment]).
+        self._ddp_first_layout = bool(bucket_cap_mb_list)
         self._reduce_dtype = reduce_dtype  # likewise
         self._syncing = True
         self._require_forward_param_sync = True  # DDP: buffers sync unless the last forward didn't
@@ -131,19 +143,23 @@ class FusedReducer(nn.Module, Joinable):
         if self.device.type == "cuda" and (nccl_group or self.backend == "nccl"):
             check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
         self._control_device = _control_device(nccl_group, self.device)
+        # Kept with init_sync=False too (DDP skips it): ranks must agree on the bucket layout.
         _verify_same_model(self.process_group, self._param_names, params, self._control_device)
-        # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
-        # (rank-local buffers stay rank-local).
-        self._broadcast(params + (list(self.module.buffers()) if self.broadcast_buffers else []), 0)
+        if getattr(self, "init_sync", True):
+            # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
+            # (rank-local buffers stay rank-local); forward_sync_buffers does not.
+            buffers = list(self.module.buffers()) if self._init_sync_buffers else []
+            self._broadcast(params + buffers, 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
         self._transport = make_transport(self.process_group, self.device,
                                          getattr(self, "_backend_request", self.backend),
                                          self._timeout_s, check_devices=False)
         self.backend = backend_of(self._transport)  # 'auto' on CPU may have fallen back
-        first_bytes, cap_bytes, last_bytes = self._limits
+        caps, last_bytes = self._limits
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device),
-            self._transport, first_bytes, cap_bytes, self.gradient_as_bucket_view,
+            self._transport, caps, getattr(self, "_ddp_first_layout", False),
+            self.gradient_as_bucket_view,
             self.find_unused_parameters, self._timeout_s, last_bytes,
             reduce_dtype=getattr(self, "_reduce_dtype", None))
         self._reducer.set_trace_capacity(self._trace_steps)
@@ -186,8 +202,7 @@ class FusedReducer(nn.Module, Joinable):
     def __getstate__(self):
         state = dict(self.__dict__)
         if state.get("_reducer") is not None:
-            state["_limits"] = (self.first_bucket_bytes, self.bucket_cap_bytes,
-                                self.last_bucket_bytes)
+            state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
             state["_reduce_dtype"] = self.reduce_dtype
         for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
                           "_closed"):
@@ -250,7 +265,7 @@ class FusedReducer(nn.Module, Joinable):
 
     def _will_sync_buffers(self):
         # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
-        return self.broadcast_buffers and self._require_forward_param_sync and any(
+        return self.forward_sync_buffers and self._require_forward_param_sync and any(
             True for _ in self.module.buffers())
 
     def _sync_buffers(self, joined):
@@ -367,6 +382,28 @@ class FusedReducer(nn.Module, Joinable):
             self._syncing = previous
 
     # -- knobs ---------------------------------------------------------------------------------
+    @property
+    def broadcast_buffers(self):
+        """DDP's deprecated name of forward_sync_buffers (as DDP, reading and setting it)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
+
+    @property
+    def bucket_caps_bytes(self):
+        """Size limits of each (dtype, device) group's buckets in launch order, the last one
+        repeating for every later bucket: DDP's ``bucket_cap_mb_list``, in bytes, changeable
+        while training. ``first_bucket_bytes`` is its first entry, ``bucket_cap_bytes`` its
+        last. Setting it (a non-empty list of ints > 0) rebuilds at the next forward, and
+        every later rebuild keeps it, like the other limits."""
+        return list(self._reducer.bucket_caps_bytes)
+
+    @bucket_caps_bytes.setter
+    def bucket_caps_bytes(self, caps):
+        self._checked_reducer().bucket_caps_bytes = check_bucket_caps(caps)
+
     @property
     def first_bucket_bytes(self):
         """Size limit of the first bucket to launch. Setting it rebuilds the layout at the next
@@ -588,6 +625,82 @@ def _refuse_compiled_autograd():
             "gradients from C++ hooks on the parameters' gradient accumulators, which compiled "
             "autograd does not call. Keep compiled autograd off; torch.compile of the model or of "
             "FusedReducer itself is supported.")
+
+
+def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
+                                      param_to_hook_all_reduce, skip_all_reduce_unused_params):
+    """DDP constructor arguments FusedReducer does not implement: a FusedReducerError naming
+    the argument and what to use instead (never silently ignored)."""
+    if static_graph:
+        raise FusedReducerError(
+            "FusedReducer: static_graph=True is not supported. It is not needed for "
+            "reentrant activation checkpointing, which FusedReducer handles without it; for "
+            "parameters unused in forward, pass find_unused_parameters=True instead.")
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise FusedReducerError(
+            "FusedReducer: delay_all_reduce_named_params / param_to_hook_all_reduce are not "
+            "supported. To reduce some gradients late in one collective, give them a bucket of "
+            "their own: last_bucket_mb=... (the last gradients of backward) or "
+            "bucket_cap_mb_list=[...].")
+    if skip_all_reduce_unused_params:
+        raise FusedReducerError(
+            "FusedReducer: skip_all_reduce_unused_params=True is not supported. With "
+            "find_unused_parameters=True FusedReducer reduces the zeros of unused parameters "
+            "(DDP's default), which gives the same gradients; leave it False.")
+
+
+def _reduce_dtype_of(mixed_precision, reduce_dtype):
+    """DDP's mixed_precision=_MixedPrecision(reduce_dtype=...) is FusedReducer's reduce_dtype;
+    its param_dtype and buffer_dtype are refused (use torch.autocast)."""
+    if mixed_precision is None:
+        return reduce_dtype
+    for field in ("param_dtype", "buffer_dtype"):
+        if getattr(mixed_precision, field, None) is not None:
+            raise FusedReducerError(
+                f"FusedReducer: mixed_precision.{field}={getattr(mixed_precision, field)} is not "
+                "supported (FusedReducer does not keep low-precision copies of the parameters or "
+                "buffers). Compute in low precision with torch.autocast; "
+                "mixed_precision=_MixedPrecision(reduce_dtype=...) or reduce_dtype=... sets the "
+                "dtype gradients are reduced in.")
+    wanted = getattr(mixed_precision, "reduce_dtype", None)
+    if reduce_dtype is not None and wanted is not None and reduce_dtype != wanted:
+        raise FusedReducerError(
+            f"FusedReducer: reduce_dtype={reduce_dtype} and mixed_precision.reduce_dtype="
+            f"{wanted} disagree; pass one of them")
+    return wanted if wanted is not None else reduce_dtype
+
+
+def _buffer_sync_settings(broadcast_buffers, forward_sync_buffers):
+    """(sync buffers before forwards, sync buffers at construction), combined as DDP combines
+    its deprecated broadcast_buffers with forward_sync_buffers, with DDP's warnings."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                          "`broadcast_buffers` is deprecated and its value is ignored when "
+                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("`broadcast_buffers` is deprecated (as in DDP). Use "
+                          "`forward_sync_buffers` instead; unlike `broadcast_buffers=False`, "
+                          "`forward_sync_buffers=False` still broadcasts the buffers at "
+                          "construction.", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
+
+
+def _group_of(process_group, device_mesh):
+    """The process group of a 1-D device_mesh (as DDP), or process_group."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise FusedReducerError("FusedReducer: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise FusedReducerError(
+            f"FusedReducer: only a 1-D device_mesh is supported (as DDP), got one with "
+            f"{device_mesh.ndim} dimensions; pass the data-parallel dimension, e.g. "
+            f"mesh['dp']")
+    return device_mesh.get_group(mesh_dim=0)
 
 
 def _resolve_group(process_group):

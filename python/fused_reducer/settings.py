@@ -5,6 +5,7 @@ import os
 
 MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # DDP's default, kept so results are comparable
+DEFAULT_BUCKET_CAP_MB = 25  # DDP's
 ENV_FIRST_BUCKET_BYTES = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
 
 _default_first_bucket_bytes = None  # set_default_first_bucket_bytes() wins over the environment
@@ -46,17 +47,57 @@ def set_default_first_bucket_bytes(nbytes):
 def get_default_first_bucket_bytes():
     """The value set by set_default_first_bucket_bytes(), else the environment variable
     FUSED_REDUCER_FIRST_BUCKET_BYTES, else 1 MiB."""
+    chosen = user_default_first_bucket_bytes()
+    return DEFAULT_FIRST_BUCKET_BYTES if chosen is None else chosen
+
+
+def user_default_first_bucket_bytes():
+    """The value set by set_default_first_bucket_bytes(), else the environment variable
+    FUSED_REDUCER_FIRST_BUCKET_BYTES, else None (the user chose no default)."""
     if _default_first_bucket_bytes is not None:
         return _default_first_bucket_bytes
     raw = os.environ.get(ENV_FIRST_BUCKET_BYTES)
     if raw is None or raw.strip() == "":
-        return DEFAULT_FIRST_BUCKET_BYTES
+        return None
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{ENV_FIRST_BUCKET_BYTES} must be a positive int number of bytes, "
                          f"got {raw!r}") from None
     return check_bytes(ENV_FIRST_BUCKET_BYTES, value)
+
+
+def bucket_limits(bucket_cap_mb, first_bucket_mb, bucket_cap_mb_list):
+    """The constructor's size arguments -> the list of bucket limits in bytes, by DDP's rules:
+    a non-empty bucket_cap_mb_list is the list (bucket_cap_mb is then ignored, as DDP ignores
+    it); otherwise [first, cap] with cap = bucket_cap_mb (25 MiB when None) and first =
+    first_bucket_mb, else the process default if the user set one, else the cap when
+    bucket_cap_mb was given (DDP: an explicit cap is also the first bucket's), else 1 MiB."""
+    if bucket_cap_mb_list is not None and len(bucket_cap_mb_list) > 0:
+        if first_bucket_mb is not None:
+            raise ValueError("first_bucket_mb and bucket_cap_mb_list both set the first bucket's "
+                             "limit; pass the first limit as bucket_cap_mb_list[0]")
+        return [megabytes_to_bytes(f"bucket_cap_mb_list[{k}]", mb)
+                for k, mb in enumerate(bucket_cap_mb_list)]
+    cap = megabytes_to_bytes("bucket_cap_mb", DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None
+                             else bucket_cap_mb)
+    if first_bucket_mb is not None:
+        return [megabytes_to_bytes("first_bucket_mb", first_bucket_mb), cap]
+    chosen = user_default_first_bucket_bytes()
+    if chosen is not None:
+        return [chosen, cap]
+    return [cap, cap] if bucket_cap_mb is not None else [DEFAULT_FIRST_BUCKET_BYTES, cap]
+
+
+def check_bucket_caps(caps):
+    """Return `caps` as a list of positive int byte counts, or raise naming the entry."""
+    if isinstance(caps, (str, bytes)) or not hasattr(caps, "__iter__"):
+        raise TypeError(f"bucket_caps_bytes must be a list of positive int numbers of bytes, "
+                        f"got {caps!r} ({type(caps).__name__})")
+    caps = [check_bytes(f"bucket_caps_bytes[{k}]", c) for k, c in enumerate(caps)]
+    if not caps:
+        raise ValueError("bucket_caps_bytes must list at least one limit, got []")
+    return caps
 
 
 def check_reduce_dtype(value):
