@@ -65,9 +65,8 @@ MUTATIONS = [
     dict(
         id="rank0-limits-ignored",
         file=REDUCER_CPP,
-        edits=[("  options_.first_bucket_bytes = data[0];\n"
-                "  options_.bucket_cap_bytes = data[1];\n"
-                "  options_.last_bucket_bytes = data[2];\n", "")],
+        edits=[("  options_.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);\n"
+                "  options_.last_bucket_bytes = data[1];\n", "")],
         why="the rebuild takes rank 0's order but keeps this rank's own limits: ranks that set "
             "different limits build different layouts",
         tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
@@ -85,8 +84,11 @@ MUTATIONS = [
     dict(
         id="limits-not-persistent",
         file=REDUCER_CPP,
-        edits=[("  data[0] = options_.first_bucket_bytes;",
-                "  data[0] = int64_t{1} << 20;  // DDP's kDefaultFirstBucketBytes")],
+        edits=[("  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
+                "            data + kHeader);",
+                "  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
+                "            data + kHeader);\n"
+                "  data[kHeader] = int64_t{1} << 20;  // DDP's kDefaultFirstBucketBytes")],
         why="DDP's own bug: rebuilds use the 1 MiB constant, so a first bucket set at "
             "construction or at runtime is lost at the first rebuild",
         tests=[K + "test_first_bucket_limit_survives_every_rebuild"],
@@ -276,7 +278,7 @@ MUTATIONS = [
     dict(
         id="broadcast-buffers-false-ignored",
         file=REDUCER_PY,
-        edits=[("        return self.broadcast_buffers and self._require_forward_param_sync and any(",
+        edits=[("        return self.forward_sync_buffers and self._require_forward_param_sync and any(",
                 "        return self._require_forward_param_sync and any(")],
         why="broadcast_buffers=False is ignored: BatchNorm running stats are overwritten with "
             "rank 0's before every forward",
@@ -405,10 +407,10 @@ MUTATIONS = [
     dict(
         id="reduce-dtype-not-from-rank0",
         file=REDUCER_CPP,
-        edits=[("  options_.reduce_dtype = data[3] == kNoReduceDtype\n",
-                "  (void)(data[3] == kNoReduceDtype\n"),
-               ("                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3]));",
-                "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[3])));")],
+        edits=[("  options_.reduce_dtype = data[2] == kNoReduceDtype\n",
+                "  (void)(data[2] == kNoReduceDtype\n"),
+               ("                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));",
+                "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2])));")],
         why="the reduce dtype does not travel with rank 0's layout: ranks that set different "
             "reduce dtypes all-reduce buckets of different dtypes (garbage or a gloo error)",
         tests=[K + "test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves",
@@ -676,9 +678,9 @@ MUTATIONS = [
     dict(
         id="pickle-swaps-first-and-cap",
         file=REDUCER_PY,
-        edits=[('state["_limits"] = (self.first_bucket_bytes, self.bucket_cap_bytes,',
-                'state["_limits"] = (self.bucket_cap_bytes, self.first_bucket_bytes,')],
-        why="pickling or deepcopy swaps the first bucket and the cap: the copy trains with other limits than the original",
+        edits=[('state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)',
+                'state["_limits"] = (self.bucket_caps_bytes[::-1], self.last_bucket_bytes)')],
+        why="pickling or deepcopy reverses the list of limits (swaps the first bucket and the cap): the copy trains with other limits than the original",
         tests=["tests/test_slips.py::test_pickle_and_deepcopy_keep_first_cap_last_and_reduce_dtype"],
     ),
     dict(
@@ -720,5 +722,59 @@ MUTATIONS = [
                 "        if isinstance(result, (list, tuple)) and len(result) == 1:\n            result = result[0]\n        if isinstance(result, (list, tuple)):\n")],
         why="a comm hook whose future holds a one-element list is silently unwrapped where DDP refuses it: code that works here breaks under DDP",
         tests=["tests/test_slips.py::test_comm_hook_future_holding_a_one_element_list_is_refused_like_ddp"],
+    ),
+    # -- issue 22: DDP 2.14's constructor arguments, per-bucket limits at runtime ---------------
+    dict(
+        id="caps-list-truncated-at-rebuild",
+        file=REDUCER_CPP,
+        edits=[("      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), count);",
+                "      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), 2);")],
+        why="a rebuild keeps only the first two limits of a longer list: bucket_cap_mb_list / bucket_caps_bytes lose their third entry at the first rebuild",
+        tests=["tests/test_ddp_arguments.py::test_bucket_caps_bytes_set_while_training_persists_across_rebuilds_and_rank0_wins"],
+    ),
+    dict(
+        id="first-bucket-setter-drops-the-list",
+        file=REDUCER_CPP,
+        edits=[("  caps.front() = bytes;", "  caps = {bytes, caps.back()};")],
+        why="setting first_bucket_bytes replaces a list of limits with [first, cap]: the middle limits of bucket_caps_bytes are lost",
+        tests=["tests/test_ddp_arguments.py::test_bucket_caps_bytes_set_while_training_persists_across_rebuilds_and_rank0_wins"],
+    ),
+    dict(
+        id="list-first-layout-not-ddps",
+        file=REDUCER_CPP,
+        edits=[("  if (options_.ddp_first_layout) {", "  if (false) {")],
+        why="bucket_cap_mb_list's first layout applies the list in launch order instead of DDP's (from the first registered parameter): the first step's buckets differ from DDP's",
+        tests=["tests/test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild"],
+    ),
+    dict(
+        id="explicit-cap-keeps-1mib-first-bucket",
+        file="python/fused_reducer/settings.py",
+        edits=[("    return [cap, cap] if bucket_cap_mb is not None else [DEFAULT_FIRST_BUCKET_BYTES, cap]",
+                "    return [DEFAULT_FIRST_BUCKET_BYTES, cap]")],
+        why="an explicit bucket_cap_mb keeps a 1 MiB first bucket where torch 2.14's DDP makes it the cap: two all-reduces where DDP does one",
+        tests=["tests/test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild"],
+    ),
+    dict(
+        id="forward-sync-buffers-false-skips-init-broadcast",
+        file=REDUCER_PY,
+        edits=[("        return bool(forward_sync_buffers), True",
+                "        return bool(forward_sync_buffers), bool(forward_sync_buffers)")],
+        why="forward_sync_buffers=False also skips the broadcast at construction (DDP's broadcast_buffers=False rule): rank-local buffers where DDP starts from rank 0's",
+        tests=["tests/test_ddp_arguments.py::test_broadcast_buffers_and_forward_sync_buffers_combine_as_in_ddp"],
+    ),
+    dict(
+        id="deprecated-broadcast-buffers-wins",
+        file=REDUCER_PY,
+        edits=[("    if forward_sync_buffers is not None:\n        return",
+                "    if forward_sync_buffers is not None and broadcast_buffers is None:\n        return")],
+        why="with both broadcast_buffers and forward_sync_buffers, the deprecated one wins where DDP ignores it",
+        tests=["tests/test_ddp_arguments.py::test_broadcast_buffers_and_forward_sync_buffers_combine_as_in_ddp"],
+    ),
+    dict(
+        id="init-sync-false-ignored",
+        file=REDUCER_PY,
+        edits=[('        if getattr(self, "init_sync", True):', "        if True:")],
+        why="init_sync=False still broadcasts rank 0's parameters at construction: rank-local initialisations are overwritten where DDP keeps them",
+        tests=["tests/test_ddp_arguments.py::test_init_sync_false_keeps_rank_local_parameters_like_ddp"],
     ),
 ]

@@ -70,6 +70,10 @@ COVERAGE = {
         A + "test_limits_and_rebuild_buckets_rebuild_from_the_last_observed_order_and_persist",
         A + "test_a_limit_set_before_the_first_step_applies_at_the_next_forward",
     ],
+    "`bucket_caps_bytes`": [
+        "test_ddp_arguments.py::test_bucket_caps_bytes_set_while_training_persists_across_rebuilds_and_rank0_wins",
+        "test_bucket_assignment.py::test_a_list_of_limits_matches_python_reference",
+    ],
     "`last_bucket_bytes`": [
         "test_autotune.py::test_last_bucket_layout_follows_the_rule_and_grads_match_ddp",
         "test_autotune.py::test_last_bucket_persists_across_rebuilds_and_rank0_value_wins",
@@ -287,6 +291,17 @@ COVERAGE = {
         "test_mutant_killers.py::test_exception_inside_no_sync_leaves_sync_on",
     ],
     # "Switching from DDP": Identical (one entry per item)
+    "the constructor arguments of torch 2.14.1's DDP (`bucket_cap_mb_list` with DDP's layouts at "
+    "the first step and after the rebuild, `forward_sync_buffers` and the deprecated "
+    "`broadcast_buffers` combined as DDP combines them, `init_sync=False`, a 1-D `device_mesh`, "
+    "`mixed_precision` with only a `reduce_dtype` (FusedReducer's `reduce_dtype`), `dim`, "
+    "`batched_grad_copy` (FusedReducer always copies a bucket at once), `check_reduction`)": [
+        "test_ddp_arguments.py::test_every_ddp_constructor_argument_is_handled",
+        "test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild",
+        "test_ddp_arguments.py::test_broadcast_buffers_and_forward_sync_buffers_combine_as_in_ddp",
+        "test_ddp_arguments.py::test_init_sync_false_keeps_rank_local_parameters_like_ddp",
+        "test_ddp_arguments.py::test_device_mesh_and_accepted_arguments_give_ddps_gradients",
+    ],
     "`state_dict()` keys (`module.` prefix: DDP checkpoints load into FusedReducer and back)": [
         "test_dropin.py::test_state_dict_keys_are_exactly_ddps_with_module_prefix",
         "test_dropin.py::test_ddp_checkpoint_loads_into_fused_reducer_and_resumes_like_ddp",
@@ -345,6 +360,12 @@ COVERAGE = {
     "`static_graph=True` is refused (not needed for reentrant checkpointing)": [
         "test_dropin_behaviours.py::test_static_graph_raises_clear_error_naming_static_graph_and_alternative",
         "test_dropin_behaviours.py::test_reentrant_checkpoint_with_unused_param_matches_ddp_static_graph_without_it",
+    ],
+    "`skip_all_reduce_unused_params=True`, `delay_all_reduce_named_params` / "
+    "`param_to_hook_all_reduce` and `mixed_precision`'s `param_dtype` / `buffer_dtype` are "
+    "refused naming what to use instead (`FusedReducerError`)": [
+        "test_ddp_arguments.py::test_refused_arguments_raise_naming_the_argument_and_the_alternative",
+        "test_ddp_arguments.py::test_mixed_precision_param_and_buffer_dtypes_are_refused_naming_them",
     ],
 }
 

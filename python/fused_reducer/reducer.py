@@ -71,7 +71,7 @@ class FusedReducer(nn.Module, Joinable):
                  gradient_as_bucket_view=False, find_unused_parameters=False,
                  broadcast_buffers=None, backend="auto", timeout=timedelta(minutes=10),
                  last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None,
-                 device_ids=None, output_device=None, *, bucket_cap_mb_list=None,
+                 device_ids=None, output_device=None, bucket_cap_mb_list=None,
                  forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
                  mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
                  skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
