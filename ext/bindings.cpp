@@ -29,6 +29,7 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       bool ddp_first_layout,
                                       bool gradient_as_bucket_view,
                                       bool find_unused_parameters,
+                                      bool skip_all_reduce_unused_params,
                                       double timeout_seconds,
                                       int64_t last_bucket_bytes,
                                       std::optional<at::ScalarType> reduce_dtype) {
@@ -38,6 +39,7 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
   options.last_bucket_bytes = last_bucket_bytes;
   options.gradient_as_bucket_view = gradient_as_bucket_view;
   options.find_unused_parameters = find_unused_parameters;
+  options.skip_all_reduce_unused_params = skip_all_reduce_unused_params;
   options.reduce_dtype = reduce_dtype;
   options.timeout = fused_reducer::shm::timeout_from_seconds(timeout_seconds);
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
@@ -185,6 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("control_device"), py::arg("transport"), py::arg("bucket_caps_bytes"),
            py::arg("ddp_first_layout"),
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
+           py::arg("skip_all_reduce_unused_params"),
            py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
            py::arg("reduce_dtype") = py::none())
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),

@@ -345,6 +345,10 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 void Reducer::launch_ready_buckets() {
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     Bucket& bucket = buckets_[next_to_launch_++];
+    if (bucket.skipped) {
+      bucket.timing.launch_us = now_us();
+      continue;  // no collective: see Note [Skipping unused parameters]
+    }
     const double start = now_us();
     pack_bucket(bucket);
     bucket.timing.launch_us = now_us();
@@ -488,6 +492,37 @@ bool Reducer::rebuilds_after_first_step() const {
   return !(options_.ddp_first_layout && options_.find_unused_parameters);
 }
 
+// Note [Skipping unused parameters]
+// DDP's skip_all_reduce_unused_params skips a bucket whose parameters are all
+// unused on this rank, which needs every rank to agree, step after step; where
+// they do not, DDP's ranks issue different collectives and hang. Here the set
+// is agreed instead: the parameters no rank used in the first synchronised
+// step (the globally used map is the same on every rank). The rebuild after
+// that step gives them buckets of their own, which are never reduced (no
+// collective, no comm hook, not shadowed by joined ranks). Every later step
+// still all-reduces the used map; if a skipped parameter was used on any rank,
+// every rank raises naming it, instead of averaging it wrongly or hanging.
+void Reducer::decide_skipped(const int32_t* globally_used) {
+  skipped_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    skipped_[i] = globally_used[i] == 0;
+  }
+}
+
+void Reducer::check_skipped_still_unused(const int32_t* globally_used) {
+  for (size_t i = 0; i < skipped_.size(); ++i) {
+    if (skipped_[i] && globally_used[i] != 0) {
+      wait_for_launched_quietly();
+      TORCH_CHECK(false, "FusedReducer: parameter '", names_[i], "' was unused on every rank in "
+                  "the first step, so skip_all_reduce_unused_params=True stopped reducing it, "
+                  "but a rank used it in step ", stats_.step + 1, ": its gradient would not be "
+                  "averaged. skip_all_reduce_unused_params=True needs the unused parameters to "
+                  "stay the same for the whole training (as in DDP); construct with "
+                  "skip_all_reduce_unused_params=False.");
+    }
+  }
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (ready_order_.empty()) {
@@ -553,6 +588,9 @@ void Reducer::finalize_backward() {
   TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
+  if (used != nullptr && !skipped_.empty()) {
+    check_skipped_still_unused(used);
+  }
   while (next_to_unpack_ < buckets_.size()) {
     finish_bucket(next_to_unpack_++, used, /*exposed=*/true);
   }
@@ -568,6 +606,11 @@ void Reducer::finalize_backward() {
     // The first backward showed the real ready order: lay buckets out by it.
     rebuilt_after_first_step_ = true;
     rebuild_pending_ = rebuilds_after_first_step();
+    if (options_.skip_all_reduce_unused_params && used != nullptr) {
+      decide_skipped(used);
+      rebuild_pending_ = rebuild_pending_ ||
+                         std::find(skipped_.begin(), skipped_.end(), 1) != skipped_.end();
+    }
   }
 }
 
@@ -592,7 +635,9 @@ void Reducer::record_step(double backward_end, double finalize_end) {
     t.launch_us -= origin;
     t.complete_us -= origin;
     step.exposed_wait_us += t.wait_us;
-    busy.emplace_back(t.launch_us, t.complete_us);
+    if (!bucket.skipped) {
+      busy.emplace_back(t.launch_us, t.complete_us);
+    }
     step.buckets.push_back(t);
   }
   std::sort(busy.begin(), busy.end());
@@ -808,7 +853,12 @@ std::vector<std::vector<int64_t>> Reducer::assign(const std::vector<int64_t>& or
     infos_[i].bytes = params_[i].numel() *
                       static_cast<int64_t>(c10::elementSize(bucket_dtype(static_cast<int64_t>(i))));
   }
-  return assign_buckets(infos_, order, {options_.bucket_caps_bytes, options_.last_bucket_bytes});
+  // Skipped parameters get buckets of their own: Note [Skipping unused parameters].
+  std::vector<TensorInfo> infos = infos_;
+  for (size_t i = 0; i < skipped_.size(); ++i) {
+    infos[i].group = 2 * infos[i].group + (skipped_[i] ? 1 : 0);
+  }
+  return assign_buckets(infos, order, {options_.bucket_caps_bytes, options_.last_bucket_bytes});
 }
 
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
@@ -850,6 +900,7 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
       }
     }
     bucket.pending = static_cast<int64_t>(bucket.params.size());
+    bucket.skipped = !skipped_.empty() && skipped_[bucket.params.front()];
   }
   buckets_ = std::move(buckets);
   stats_.bucket_caps_bytes = options_.bucket_caps_bytes;
@@ -962,8 +1013,17 @@ bool Reducer::has_comm_hook() const {
 std::vector<ZeroBucket> Reducer::zero_buckets() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<ZeroBucket> result;
+  size_t last = buckets_.size();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!buckets_[b].skipped) {
+      last = b;
+    }
+  }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bucket = buckets_[b];
+    if (bucket.skipped) {
+      continue;  // never reduced: nothing to shadow
+    }
     ZeroBucket zero;
     zero.flat = at::zeros_like(bucket.flat);
     for (const auto& view : bucket.views) {
@@ -971,7 +1031,7 @@ std::vector<ZeroBucket> Reducer::zero_buckets() const {
                                                 view.storage_offset() - bucket.flat.storage_offset()));
     }
     zero.params = bucket.params;
-    zero.is_last = b + 1 == buckets_.size();
+    zero.is_last = b == last;
     result.push_back(std::move(zero));
   }
   return result;

@@ -46,6 +46,8 @@ struct ReducerOptions {
   int64_t last_bucket_bytes = 0;  // 0: no separate last bucket (see Note [Bucket assignment])
   bool gradient_as_bucket_view = false;
   bool find_unused_parameters = false;
+  // DDP's skip_all_reduce_unused_params. See Note [Skipping unused parameters].
+  bool skip_all_reduce_unused_params = false;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   // dtype of the buckets of floating-point gradients; nullopt: each gradient's
   // own dtype. See Note [Reduce dtype].
@@ -210,6 +212,7 @@ class Reducer {
     std::vector<at::Tensor> views;    // views of `flat` shaped (and strided) like each parameter
     int64_t bytes = 0;
     int64_t pending = 0;              // parameters not ready yet this iteration
+    bool skipped = false;             // only parameters no rank uses: never reduced
     std::unique_ptr<PendingCollective> collective;
     BucketTiming timing;              // this iteration's, absolute steady-clock us
   };
@@ -233,6 +236,8 @@ class Reducer {
   // each parameter's bucket dtype.
   std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order);
   bool rebuilds_after_first_step() const;
+  void decide_skipped(const int32_t* globally_used);
+  void check_skipped_still_unused(const int32_t* globally_used);
   void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
   at::ScalarType bucket_dtype(int64_t index) const;  // of parameter `index`'s bucket
   void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
@@ -247,6 +252,8 @@ class Reducer {
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  // Parameters no rank used in the first step, when skip_all_reduce_unused_params.
+  std::vector<char> skipped_;
   std::vector<TensorInfo> infos_;  // bytes in the bucket dtype, set by build_buckets
   std::vector<at::TensorOptions> param_options_;  // dtype and device at construction
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -308,8 +308,8 @@ MUTATIONS = [
     dict(
         id="timeout-not-passed-to-reducer",
         file=REDUCER_PY,
-        edits=[("            self.find_unused_parameters, self._timeout_s, last_bytes,",
-                "            self.find_unused_parameters, 600.0, last_bytes,")],
+        edits=[('            getattr(self, "skip_all_reduce_unused_params", False), self._timeout_s, last_bytes,',
+                '            getattr(self, "skip_all_reduce_unused_params", False), 600.0, last_bytes,')],
         why="timeout= reaches the transport but not the C++ reducer: its waits use the default "
             "10 minutes",
         tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
@@ -776,5 +776,21 @@ MUTATIONS = [
         edits=[('        if getattr(self, "init_sync", True):', "        if True:")],
         why="init_sync=False still broadcasts rank 0's parameters at construction: rank-local initialisations are overwritten where DDP keeps them",
         tests=["tests/test_ddp_arguments.py::test_init_sync_false_keeps_rank_local_parameters_like_ddp"],
+    ),
+    dict(
+        id="skipped-bucket-still-reduced",
+        file=REDUCER_CPP,
+        edits=[("      bucket.timing.launch_us = now_us();\n      continue;  // no collective",
+                "      bucket.timing.launch_us = now_us();\n      (void)0;  // no collective")],
+        why="skip_all_reduce_unused_params=True still all-reduces the buckets of parameters no rank uses: the bytes it promises to save move anyway",
+        tests=["tests/test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes"],
+    ),
+    dict(
+        id="skipped-parameter-used-later-ignored",
+        file=REDUCER_CPP,
+        edits=[("  if (used != nullptr && !skipped_.empty()) {\n    check_skipped_still_unused(used);",
+                "  if (false) {\n    check_skipped_still_unused(used);")],
+        why="a parameter skipped as unused that a rank uses later is silently left unreduced (each rank keeps its own gradient) instead of raising",
+        tests=["tests/test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes"],
     ),
 ]

@@ -295,7 +295,11 @@ COVERAGE = {
     "the first step and after the rebuild, `forward_sync_buffers` and the deprecated "
     "`broadcast_buffers` combined as DDP combines them, `init_sync=False`, a 1-D `device_mesh`, "
     "`mixed_precision` with only a `reduce_dtype` (FusedReducer's `reduce_dtype`), `dim`, "
-    "`batched_grad_copy` (FusedReducer always copies a bucket at once), `check_reduction`)": [
+    "`batched_grad_copy` (FusedReducer always copies a bucket at once), `check_reduction`, "
+    "`skip_all_reduce_unused_params` (the parameters no rank used in the first step get buckets "
+    "that are never reduced; if a rank uses one later, every rank raises naming it, where DDP's "
+    "ranks would disagree and hang))": [
+        "test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes",
         "test_ddp_arguments.py::test_every_ddp_constructor_argument_is_handled",
         "test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild",
         "test_ddp_arguments.py::test_broadcast_buffers_and_forward_sync_buffers_combine_as_in_ddp",
@@ -361,9 +365,8 @@ COVERAGE = {
         "test_dropin_behaviours.py::test_static_graph_raises_clear_error_naming_static_graph_and_alternative",
         "test_dropin_behaviours.py::test_reentrant_checkpoint_with_unused_param_matches_ddp_static_graph_without_it",
     ],
-    "`skip_all_reduce_unused_params=True`, `delay_all_reduce_named_params` / "
-    "`param_to_hook_all_reduce` and `mixed_precision`'s `param_dtype` / `buffer_dtype` are "
-    "refused naming what to use instead (`FusedReducerError`)": [
+    "`delay_all_reduce_named_params` / `param_to_hook_all_reduce` and `mixed_precision`'s "
+    "`param_dtype` / `buffer_dtype` are refused naming what to use instead (`FusedReducerError`)": [
         "test_ddp_arguments.py::test_refused_arguments_raise_naming_the_argument_and_the_alternative",
         "test_ddp_arguments.py::test_mixed_precision_param_and_buffer_dtypes_are_refused_naming_them",
     ],

@@ -9,6 +9,8 @@ refused with a FusedReducerError naming it and what to use instead.
   across rebuilds, and rank 0's list wins.
 - broadcast_buffers / forward_sync_buffers: the nine combinations give DDP's buffers at
   construction and after each forward, with DDP's warnings.
+- skip_all_reduce_unused_params: DDP's gradients, without the unused parameters' bytes (counted
+  by the profiler); where the unused set changes, every rank raises naming the parameter.
 - init_sync=False, a 1-D device_mesh, mixed_precision(reduce_dtype), dim, batched_grad_copy,
   check_reduction: DDP's parameters, or gradients equal to DDP's.
 """
@@ -38,14 +40,13 @@ DDP_ARGUMENTS = {
     "gradient_as_bucket_view": "ddp", "static_graph": "refused",
     "delay_all_reduce_named_params": "refused", "param_to_hook_all_reduce": "refused",
     "mixed_precision": "ddp", "device_mesh": "ddp",
-    "skip_all_reduce_unused_params": "refused", "bucket_cap_mb_list": "ddp",
+    "skip_all_reduce_unused_params": "ddp", "bucket_cap_mb_list": "ddp",
     "batched_grad_copy": "ddp", "forward_sync_buffers": "ddp",
 }
 REFUSED_VALUES = {
     "static_graph": True,
     "delay_all_reduce_named_params": [("w", nn.Parameter(torch.zeros(1)))],
     "param_to_hook_all_reduce": nn.Parameter(torch.zeros(1)),
-    "skip_all_reduce_unused_params": True,
 }
 
 
@@ -287,7 +288,60 @@ def check_device_mesh_and_accepted_arguments(rank, world):
     return out
 
 
-CHECKS = [check_bucket_lists, check_caps_persist, check_buffer_sync, check_init_sync,
+class Branchy(nn.Module):
+    """`spare` is used only when asked (never, by default)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 16)
+        self.spare = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x, use_spare=False):
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.spare(h) if use_spare else h)
+
+
+def check_skip_unused(rank, world):
+    """Per backend: (largest gradient difference to DDP with the same arguments, the bytes the
+    profiler saw all-reduced per step with and without skipping, the spare parameters' bytes,
+    the error when a rank uses `spare` after all)."""
+    from test_api_table import collectives
+    kwargs = dict(find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    out = {}
+    for backend in BACKENDS:
+        models = {"ddp": DDP(Branchy(), **kwargs),
+                  "skip": FusedReducer(Branchy(), backend=backend, **kwargs),
+                  "plain": FusedReducer(Branchy(), backend=backend, find_unused_parameters=True)}
+        grads = {name: [] for name in models}
+        moved = {name: [] for name in models}
+        for step in range(3):
+            for name, model in models.items():
+                model.zero_grad()
+                x = _x(rank, step)[:, :16]
+                moved[name].append(sum(b for b, _ in collectives(
+                    lambda: model(x).pow(2).sum().backward())[1]))
+                grads[name].append([p.grad for p in model.parameters()])
+        difference = max((a - b).abs().max().item() if a is not None else 0.0
+                         for ga, gb in zip(grads["ddp"], grads["skip"]) for a, b in zip(ga, gb)
+                         if a is not None or b is not None)
+        untouched = all(g[2] is None and g[3] is None for g in grads["skip"])  # spare.*
+        model = models["skip"]
+        model.zero_grad()
+        try:
+            model(_x(rank, 3)[:, :16], use_spare=rank == world - 1).sum().backward()
+            error = None
+        except RuntimeError as e:
+            error = (type(e).__name__, str(e))
+        out[backend] = (difference, untouched, moved["skip"], moved["plain"],
+                        sum(p.numel() * 4 for p in Branchy().spare.parameters()), error)
+        models["skip"].close()
+        models["plain"].close()
+    return out
+
+
+CHECKS = [check_skip_unused, check_bucket_lists, check_caps_persist, check_buffer_sync, check_init_sync,
           check_device_mesh_and_accepted_arguments]
 
 
@@ -345,6 +399,18 @@ def test_broadcast_buffers_and_forward_sync_buffers_combine_as_in_ddp(outcomes):
             assert ours_history == ddp_history, where
             assert ours_warned == ddp_warned, where
             assert flags[0] == flags[1] and flags[2] == flags[3], where
+
+
+def test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes(outcomes):
+    world, outcomes = outcomes
+    for rank, r in enumerate(per_rank(outcomes, "check_skip_unused")):
+        for backend, (difference, untouched, skip, plain, spare, error) in r.items():
+            where = (world, rank, backend)
+            assert difference <= 1e-6 and untouched, where
+            assert skip[0] == plain[0], where  # the first step decides what no rank uses
+            assert [p - s for p, s in zip(plain[1:], skip[1:])] == [spare, spare], where
+            assert error is not None and error[0] == "RuntimeError", (where, error)
+            assert "'spare." in error[1] and "skip_all_reduce_unused_params" in error[1], where
 
 
 def test_init_sync_false_keeps_rank_local_parameters_like_ddp(outcomes):

@@ -79,7 +79,7 @@ class FusedReducer(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)
         _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
-                                          param_to_hook_all_reduce, skip_all_reduce_unused_params)
+                                          param_to_hook_all_reduce)
         if check_reduction:
             warnings.warn("check_reduction is deprecated in DDP and has no effect in "
                           "FusedReducer either (every step reduces every bucket)", FutureWarning,
@@ -101,6 +101,8 @@ class FusedReducer(nn.Module, Joinable):
             broadcast_buffers, forward_sync_buffers)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
+        # Needs find_unused_parameters, as in DDP; see Note [Skipping unused parameters].
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -159,8 +161,8 @@ class FusedReducer(nn.Module, Joinable):
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device),
             self._transport, caps, getattr(self, "_ddp_first_layout", False),
-            self.gradient_as_bucket_view,
-            self.find_unused_parameters, self._timeout_s, last_bytes,
+            self.gradient_as_bucket_view, self.find_unused_parameters,
+            getattr(self, "skip_all_reduce_unused_params", False), self._timeout_s, last_bytes,
             reduce_dtype=getattr(self, "_reduce_dtype", None))
         self._reducer.set_trace_capacity(self._trace_steps)
         if self._comm_hook is not None:
@@ -628,7 +630,7 @@ def _refuse_compiled_autograd():
 
 
 def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
-                                      param_to_hook_all_reduce, skip_all_reduce_unused_params):
+                                      param_to_hook_all_reduce):
     """DDP constructor arguments FusedReducer does not implement: a FusedReducerError naming
     the argument and what to use instead (never silently ignored)."""
     if static_graph:
@@ -642,11 +644,6 @@ def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_param
             "supported. To reduce some gradients late in one collective, give them a bucket of "
             "their own: last_bucket_mb=... (the last gradients of backward) or "
             "bucket_cap_mb_list=[...].")
-    if skip_all_reduce_unused_params:
-        raise FusedReducerError(
-            "FusedReducer: skip_all_reduce_unused_params=True is not supported. With "
-            "find_unused_parameters=True FusedReducer reduces the zeros of unused parameters "
-            "(DDP's default), which gives the same gradients; leave it False.")
 
 
 def _reduce_dtype_of(mixed_precision, reduce_dtype):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import _C
 
 BACKENDS = ("auto", "nccl", "shm", "process_group")
-SHM_CHUNK_BYTES = 4 << 20  # per slot; a bucket is summed in chunks of this size (Note [Shared-memory all-reduce])
+SHM_CHUNK_BYTES = 256 << 10  # per slot; a bucket is summed in chunks of this size (Note [Shared-memory all-reduce])
 _SHM_MIN_CHUNK_BYTES = 256 << 10
 # The longest timeout: longer ones (inf, timedelta.max) mean "no timeout" and become this (the
 # same as kLongestTimeout in ext/shm_segment.h, where every conversion to milliseconds clamps).
