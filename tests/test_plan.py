@@ -229,6 +229,29 @@ def test_cli_json_schema_plot_and_text(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_profile_recorded_with_a_list_of_limits_is_predicted_with_that_list(tmp_path):
+    """bucket_caps_bytes (DDP's bucket_cap_mb_list) through the planner: the profile's list is
+    the "profile" row, laid out by the reducer's own assignment with every entry."""
+    from fused_reducer import plan
+    from fused_reducer.costmodel import Gradients
+    caps = [4 * MiB, 12 * MiB, 24 * MiB]
+    limits = {"first_bucket_bytes": caps[0], "bucket_cap_bytes": caps[-1],
+              "last_bucket_bytes": 0, "bucket_caps_bytes": caps}
+    profile = write_profile(tmp_path / "p.json", limits=limits)
+    out = tmp_path / "plan.json"
+    assert plan.main([str(profile), "--world", "8,64", "--network", "ib400",
+                      "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    gradients = Gradients([4 * MiB] * 24, [0] * 24)
+    layout = gradients.layout(list(range(23, -1, -1)), tuple(caps) + (0,))
+    assert [len(b) for b in layout] == [1, 3, 6, 6, 6, 2]  # 4, 12, 24, 24, 24 MiB, rest
+    for e in data["worlds"]:
+        mine = e["profile_limits"]
+        assert mine["bucket_caps_bytes"] == caps and mine["buckets"] == len(layout)
+        assert mine["first_bucket_bytes"] == caps[0] and mine["bucket_cap_bytes"] == caps[-1]
+    assert data["profile"]["limits"]["bucket_caps_bytes"] == caps
+
+
 def test_compute_scale_and_overlap_change_the_prediction(tmp_path):
     from fused_reducer import plan
     profile = write_profile(tmp_path / "p.json")
