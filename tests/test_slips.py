@@ -288,7 +288,7 @@ def check_lightning_timeout_reaches_the_reducer(rank, world):
             return getattr(real_c, name)
 
         def Reducer(self, *args, **kwargs):  # noqa: N802 - stands in for the class
-            seen.setdefault("reducer", []).append(args[9])  # timeout_seconds (bindings.cpp)
+            seen.setdefault("reducer", []).append(kwargs["timeout_seconds"])
             return real_c.Reducer(*args, **kwargs)
 
     def make_transport(group, device, backend, timeout_s, **kwargs):

@@ -160,9 +160,12 @@ class FusedReducer(nn.Module, Joinable):
         caps, last_bytes = self._limits
         self._reducer = _C.Reducer(
             params, self._param_names, self.process_group, str(self._control_device),
-            self._transport, caps, getattr(self, "_ddp_first_layout", False),
-            self.gradient_as_bucket_view, self.find_unused_parameters,
-            getattr(self, "skip_all_reduce_unused_params", False), self._timeout_s, last_bytes,
+            self._transport, bucket_caps_bytes=caps,
+            ddp_first_layout=getattr(self, "_ddp_first_layout", False),
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
+            timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,
             reduce_dtype=getattr(self, "_reduce_dtype", None))
         self._reducer.set_trace_capacity(self._trace_steps)
         if self._comm_hook is not None:
