@@ -72,6 +72,33 @@ def parse_float_list(text):
     return values
 
 
+# -- DDP's best settings ---------------------------------------------------------------------------
+def ddp_best_kwargs(first_mb, cap_mb, ddp_class=None):
+    """The keyword arguments that give the installed torch's DDP its best settings for the
+    bucket limits (first, cap) in MiB, each only where DDP's signature has it:
+    batched_grad_copy=True (one _foreach_copy_ + one div_ per bucket instead of a copy per
+    parameter), and FusedReducer's layout: bucket_cap_mb when first == cap (an explicit cap makes
+    DDP's first bucket the cap too), else bucket_cap_mb_list=[first, cap] (per-bucket limits, the
+    last one for every later bucket; used for the first layout and for the rebuild). Returns
+    (kwargs, None), or (kwargs, why) when this DDP cannot take the limits as arguments (torch
+    without bucket_cap_mb_list and first != cap): then the caller sets them through DDP's module
+    defaults (make_ddp in step_bench.py)."""
+    import inspect
+    if ddp_class is None:
+        ddp_class = torch.nn.parallel.DistributedDataParallel
+    params = inspect.signature(ddp_class.__init__).parameters
+    kwargs = {}
+    if "batched_grad_copy" in params:
+        kwargs["batched_grad_copy"] = True
+    if first_mb == cap_mb:
+        kwargs["bucket_cap_mb"] = cap_mb
+    elif "bucket_cap_mb_list" in params:
+        kwargs["bucket_cap_mb_list"] = [first_mb, cap_mb]
+    else:
+        return kwargs, "this torch's DDP has no bucket_cap_mb_list"
+    return kwargs, None
+
+
 # -- launching ------------------------------------------------------------------------------------
 @dataclass
 class Context:
