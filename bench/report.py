@@ -6,7 +6,9 @@
 --summary combines repeated step_bench runs of the same models: per model the medians over the
 runs of DDP's and FusedReducer's median step, of their ratio and of the exposed communication,
 each run's ratio and A/A ratio (the noise band), and the geometric mean of the per-model median
-ratios; with --targets, the issue-10 acceptance checks.
+ratios; with --targets, the issue-10 acceptance checks. Ratios are to step_bench's 'ddp' row: DDP
+with its best settings since issue 22 ("DDP best"; older files: DDP with the same limits), and,
+where the run has it, to 'ddp_default' (DDP(model)).
 """
 import argparse
 import json
@@ -16,26 +18,81 @@ import statistics
 IMPL_NAMES = {"ddp": "DDP", "fused": "FusedReducer", "ddp_aa": "DDP (A/A twin)",
               "fused_aa": "FusedReducer (A/A twin)", "tuned": "FusedReducer autotune",
               "local": "no wrapper", "ddp_hook": "DDP + compress hook",
-              "fused_pg": "FusedReducer on the process group"}
+              "fused_pg": "FusedReducer on the process group",
+              "ddp_default": "DDP default"}
+
+
+def impl_name(row):
+    """The row's wrapper as the tables name it. Since issue 22 step_bench's 'ddp' row is DDP with
+    its best settings (its rows then say how each DDP was built: 'constructed_as'); before, it
+    was DDP with the same limits set through DDP's module defaults."""
+    if row["impl"] in ("ddp", "ddp_aa") and "constructed_as" in row:
+        return "DDP best" + (" (A/A twin)" if row["impl"] == "ddp_aa" else "")
+    return IMPL_NAMES.get(row["impl"], row["impl"])
 
 
 def step_table(data):
     meta = data["meta"]
+    rows = data["rows"]
+    best = any("constructed_as" in r for r in rows)
     lines = [f"`{meta['command']}` ({meta['date'][:16]} UTC, {meta['cpu_count']} cores "
              f"{meta.get('cpu_model', '')}, world {meta['world_size']} {meta['backend']}, "
              f"torch {meta['torch_version']}, commit {meta.get('git_commit')})", "",
              "| model | first / cap (MiB) | impl | median ms | p90 ms | all-reduces/step | MB/step "
-             "| exposed comm ms | median / DDP |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
+             f"| exposed comm ms | median / {'DDP best' if best else 'DDP'} |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    extra = [("ratio_to_ddp_default", "median / DDP default"),
+             ("ratio_to_ddp_hook", "median / DDP+hook")]  # --reduce-dtype runs
+    extra = [(key, head) for key, head in extra if any(key in r for r in rows)]
+    for _, head in extra:
+        lines[2] += f" {head} |"
+        lines[3] += "---|"
+    for r in rows:
         mb = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step'] / 1e6:.1f}"
         lines.append(f"| {r['model']} | {r['first_bucket_mb']:g} / {r['bucket_cap_mb']:g} | "
-                     f"{IMPL_NAMES.get(r['impl'], r['impl'])} | {r['median_ms']:.1f} | "
+                     f"{impl_name(r)} | {r['median_ms']:.1f} | "
                      f"{r['p90_ms']:.1f} | {r['collectives_per_step']} | {mb} | "
                      f"{r['exposed_comm_ms']:.1f} | **{r['ratio_to_ddp']:.3f}** |"
-                     + (f" {r['ratio_to_ddp_hook']:.3f} |" if "ratio_to_ddp_hook" in r else ""))
-    if any("ratio_to_ddp_hook" in r for r in data["rows"]):  # --reduce-dtype runs
-        lines[2] += " median / DDP+hook |"
-        lines[3] += "---|"
+                     + "".join(f" {r[key]:.3f} |" if key in r else " - |" for key, _ in extra))
+    built = {}
+    for r in rows:
+        if "constructed_as" in r:
+            built.setdefault(impl_name(r), set()).add(r["constructed_as"])
+    if built:
+        lines += ["", "; ".join(f"{name}: `{'`, `'.join(sorted(texts))}`"
+                                for name, texts in built.items()) + "."]
+    return "\n".join(lines)
+
+
+MEMORY_NAMES = {"ddp": "DDP default", "ddp-best": "DDP best", "fused-shm": "FusedReducer, shm",
+                "fused-pg": "FusedReducer, process_group"}
+
+
+def memory_table(data):
+    """bench/memory_bench.py: MiB per rank (the larger of the ranks)."""
+    meta, rows = data["meta"], data["rows"]
+    fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+
+    def ratio(row, impl):
+        ref = next((r for r in rows if r["impl"] == impl and r["gv"] == row["gv"]), None)
+        return row["added"] / ref["added"] if ref and ref["added"] else None
+
+    lines = [f"`{meta['command']}` ({meta.get('date', '')[:16]} UTC, {meta['cpu_count']} cores, "
+             f"world {meta.get('world_size', 2)} gloo, torch {meta['torch_version']}, commit "
+             f"{meta.get('git_commit')})", "",
+             "| wrapper | gradient_as_bucket_view | added MiB (trimmed) | of which shared memory "
+             "| added MiB (as is) | training peak MiB | / DDP default | / DDP best | "
+             f"{data['settings'].get('changes', '')} limit changes: retained as is / trimmed MiB "
+             "| their peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        retained = ("-" if r.get("retained") is None
+                    else f"{fmt(r['retained_raw'])} / {fmt(r['retained'])}")
+        lines.append(f"| {MEMORY_NAMES.get(r['impl'], r['impl'])} | {'on' if r['gv'] else 'off'} | "
+                     f"**{fmt(r['added'])}** | {fmt(r['added_shmem'])} | {fmt(r['added_raw'])} | "
+                     f"{fmt(r['train_peak'])} | **{fmt(ratio(r, 'ddp'), 3)}** | "
+                     f"{fmt(ratio(r, 'ddp-best'), 3)} | {retained} | "
+                     f"{fmt(r.get('rebuild_peak'))} |")
     return "\n".join(lines)
 
 
@@ -75,7 +132,14 @@ def summarise_runs(datas, impl="fused"):
                                      "tensors": r.get("tensors"), "buckets": len(r["bucket_sizes"]),
                                      "runs": []})
             tel = r.get("telemetry") or {}
+            default = next((d for d in data["rows"] if d["impl"] == "ddp_default"
+                            and d["model"] == r["model"]
+                            and d["first_bucket_mb"] == r["first_bucket_mb"]
+                            and d["bucket_cap_mb"] == r["bucket_cap_mb"]), None)
+            e["best"] = e.get("best", True) and "constructed_as" in ddp
             e["runs"].append({"ddp_ms": ddp["median_ms"], "fr_ms": r["median_ms"],
+                              "ddp_default_ms": default["median_ms"] if default else None,
+                              "ratio_default": r.get("ratio_to_ddp_default"),
                               "ratio": r["ratio_to_ddp"], "aa": r.get("aa_ratio"),
                               "ci": r.get("ratio_ci90"),
                               "exp_ddp": ddp["exposed_comm_ms"], "exp_fr": r["exposed_comm_ms"],
@@ -84,7 +148,8 @@ def summarise_runs(datas, impl="fused"):
                               "date": data["meta"]["date"][:10], "steps": r["steps"]})
     for e in out.values():
         runs = e["runs"]
-        for k in ("ddp_ms", "fr_ms", "ratio", "exp_ddp", "exp_fr", "exp_fr_tel"):
+        for k in ("ddp_ms", "fr_ms", "ratio", "exp_ddp", "exp_fr", "exp_fr_tel", "ddp_default_ms",
+                  "ratio_default"):
             vals = [x[k] for x in runs if x[k] is not None]
             e[k] = statistics.median(vals) if vals else None
         aas = [x["aa"] for x in runs if x["aa"] is not None]
@@ -104,10 +169,13 @@ def summary_table(datas, impl="fused", targets=False):
              f"torch {metas[0]['torch_version']}, commit {', '.join(commits)}, "
              f"{dates[0]} - {dates[-1]} UTC; commands:", ""]
     lines += [f"- `{m['command']}`" for m in metas]
-    lines += ["", f"| model | params / tensors | first / cap (MiB), buckets | DDP ms | {who} ms "
-              "| ratio (median of runs) | ratio per run | A/A per run (DDP/DDP) | exposed comm ms "
-              "DDP / FR (probe) / FR (telemetry) | commit | date |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    best = all(e["best"] for e in rows)
+    ddp_name = "DDP best" if best else "DDP"
+    lines += ["", f"| model | params / tensors | first / cap (MiB), buckets | {ddp_name} ms | "
+              f"DDP default ms | {who} ms | ratio to {ddp_name} (median of runs) | ratio per run | "
+              "ratio to DDP default | A/A per run (DDP/DDP) | exposed comm ms "
+              f"{ddp_name} / FR (probe) / FR (telemetry) | commit | date |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in rows:
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         per_run = ", ".join(f"{x['ratio']:.3f}" for x in e["runs"])
@@ -116,13 +184,18 @@ def summary_table(datas, impl="fused", targets=False):
         days = ", ".join(sorted({x["date"] for x in e["runs"]}))
         lines.append(
             f"| {e['model']} | {e['params'] / 1e6:.2f}M / {e['tensors']} | {e['first']:g} / "
-            f"{e['cap']:g}, {e['buckets']} | {e['ddp_ms']:.1f} | {e['fr_ms']:.1f} | "
-            f"**{e['ratio']:.3f}** | {per_run} | {aa_runs} | {fmt(e['exp_ddp'])} / "
+            f"{e['cap']:g}, {e['buckets']} | {e['ddp_ms']:.1f} | {fmt(e['ddp_default_ms'])} | "
+            f"{e['fr_ms']:.1f} | **{e['ratio']:.3f}** | {per_run} | "
+            f"{'-' if e['ratio_default'] is None else format(e['ratio_default'], '.3f')} | "
+            f"{aa_runs} | {fmt(e['exp_ddp'])} / "
             f"{fmt(e['exp_fr'])} / {fmt(e['exp_fr_tel'])} | {commits} | {days} |")
     gm = math.exp(sum(math.log(e["ratio"]) for e in rows) / len(rows)) if rows else float("nan")
     noise = max((e["noise"] for e in rows if e["noise"] is not None), default=None)
-    lines += ["", f"Geometric mean of the per-model median ratios: **{gm:.3f}** over {len(rows)} "
-              f"models. A/A noise band: largest |DDP/DDP - 1| of any run "
+    defaults = [e["ratio_default"] for e in rows if e["ratio_default"] is not None]
+    gm_default = (f" (to DDP default: {math.exp(sum(map(math.log, defaults)) / len(defaults)):.3f})"
+                  if defaults and len(defaults) == len(rows) else "")
+    lines += ["", f"Geometric mean of the per-model median ratios to {ddp_name}: **{gm:.3f}** over "
+              f"{len(rows)} models{gm_default}. A/A noise band: largest |DDP/DDP - 1| of any run "
               + ("-" if noise is None else f"{noise:.3f}") + "."]
     if targets:
         lines += ["", "| model | ratio <= 1 within noise | exposed comm <= DDP's |", "|---|---|---|"]
@@ -152,7 +225,7 @@ def step_bars(datas, path):
         med = [got[m]["median_ms"] for m in models if m in got]
         p90 = [got[m]["p90_ms"] - got[m]["median_ms"] for m in models if m in got]
         ax.bar(xs, med, width, yerr=[[0] * len(p90), p90], capsize=2,
-               label=IMPL_NAMES.get(impl, impl))
+               label=impl_name(next(iter(got.values()))))
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("median step (ms; whisker: p90)")
     meta = datas[0]["meta"]
@@ -187,7 +260,8 @@ def main(argv=None):
         return 0
     for data in datas:
         bench = data["meta"].get("benchmark", "")
-        print(step_table(data) if bench == "step_bench" else bw_table(data))
+        print(step_table(data) if bench == "step_bench" else
+              memory_table(data) if bench == "memory_bench" else bw_table(data))
         print()
     return 0
 

@@ -34,11 +34,17 @@ time loss.backward() itself takes (slowest rank, median): on GPU, how long backw
 before it can queue the optimizer and the next forward; a reducer that waits on the host for its
 all-reduces shows it here even when the step time hides it.
 
-Same settings: DDP gets its first bucket from torch.distributed._DEFAULT_FIRST_BUCKET_BYTES and
-its cap from torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB, both set just before it is
-constructed with bucket_cap_mb=None (DDP ignores the first-bucket default when bucket_cap_mb is
-passed); FusedReducer gets first_bucket_mb= and bucket_cap_mb=. The rows report both layouts
-(DDP's rebuilt_bucket_sizes, FusedReducer.bucket_sizes()) and whether they match.
+Two DDP rows. 'ddp' is DDP with its best settings for the configuration, and every ratio is to
+it: the same bucket limits as FusedReducer's, passed the way the installed torch takes them
+(bucket_cap_mb_list=[first, cap], or bucket_cap_mb=cap when first == cap: an explicit cap makes
+DDP's first bucket the cap too), and batched_grad_copy=True (one _foreach_copy_ + one div_ per
+bucket instead of a copy per parameter), each only where inspect.signature(DDP.__init__) has it
+(an older torch gets the limits through _DEFAULT_FIRST_BUCKET_BYTES / _DEFAULT_BUCKET_CAP_MB,
+set just before it is built with bucket_cap_mb=None). 'ddp_default' is DDP(model), what most
+code runs: 1 MiB first bucket, 25 MiB cap, a copy per parameter (--no-ddp-default drops it).
+FusedReducer gets first_bucket_mb= and bucket_cap_mb=. The rows report the layouts (DDP's
+rebuilt_bucket_sizes, FusedReducer.bucket_sizes()) and whether DDP best's and FusedReducer's
+match.
 
 Interleaving: timed steps run in rounds of --block steps per wrapper; the rounds cycle through
 every order of the wrappers (DDP,fused / fused,DDP / ...; with the A/A twin or --autotune all 6
@@ -49,9 +55,10 @@ A/A noise band: --aa ddp (the default) adds a second, identical DDP, timed in th
 its median over the first DDP's is the ratio noise alone produces on this machine, printed next
 to FusedReducer/DDP together with bootstrap 90 % intervals of both ratios (resampling paired
 steps). --autotune adds FusedReducer(autotune=True), tuned to its choice before the timed steps,
-compared with the same (default-limits) DDP. FusedReducer's own telemetry of the timed steps
-(Note [Step telemetry]) is summarised under each configuration: last gradient -> gradients
-written, time blocked in waits, and per bucket pack, ready->launch, launch->complete, wait.
+compared with the same DDP rows (its limits start from the configuration's). FusedReducer's own
+telemetry of the timed steps (Note [Step telemetry]) is summarised under each configuration: last
+gradient -> gradients written, time blocked in waits, and per bucket pack, ready->launch,
+launch->complete, wait.
 
 Collectives per step are counted independently of FusedReducer's stats, with torch.profiler on
 one extra step per wrapper: on CPU the c10d dispatcher op events 'c10d::allreduce_' (every
@@ -99,19 +106,46 @@ import models as zoo  # noqa: E402
 
 # -- wrappers -----------------------------------------------------------------------------------
 def make_ddp(module, ctx, first_mb, cap_mb, grad_as_view):
-    """DDP with first bucket first_mb and cap cap_mb through DDP's own default mechanism."""
+    """DDP with its best settings for the run (common.ddp_best_kwargs): batched_grad_copy=True and
+    FusedReducer's layout passed as arguments (bucket_cap_mb_list=[first, cap], or bucket_cap_mb
+    when they are equal). A torch without bucket_cap_mb_list gets the limits through DDP's own
+    defaults (_DEFAULT_FIRST_BUCKET_BYTES, _DEFAULT_BUCKET_CAP_MB, set just before it is built
+    with bucket_cap_mb=None), as this benchmark did before."""
     import torch.nn.parallel.distributed as ddp_module
+    kwargs, by_defaults = common.ddp_best_kwargs(first_mb, cap_mb)
+    device_ids = [ctx.device.index] if ctx.is_cuda else None
+    if not by_defaults:
+        return nn.parallel.DistributedDataParallel(
+            module, device_ids=device_ids, gradient_as_bucket_view=grad_as_view, **kwargs)
     saved_first = dist._DEFAULT_FIRST_BUCKET_BYTES
     saved_cap = ddp_module._DEFAULT_BUCKET_CAP_MB
     try:
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_mb * MiB)
         ddp_module._DEFAULT_BUCKET_CAP_MB = cap_mb
         return nn.parallel.DistributedDataParallel(
-            module, device_ids=[ctx.device.index] if ctx.is_cuda else None, bucket_cap_mb=None,
-            gradient_as_bucket_view=grad_as_view)
+            module, device_ids=device_ids, bucket_cap_mb=None,
+            gradient_as_bucket_view=grad_as_view, **kwargs)
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved_first
         ddp_module._DEFAULT_BUCKET_CAP_MB = saved_cap
+
+
+def make_ddp_default(module, ctx, grad_as_view):
+    """DDP as most users construct it: DDP(model) (gradient_as_bucket_view as the run asks):
+    its own limits (first bucket 1 MiB, cap 25 MiB), one copy per parameter."""
+    return nn.parallel.DistributedDataParallel(
+        module, device_ids=[ctx.device.index] if ctx.is_cuda else None,
+        gradient_as_bucket_view=grad_as_view)
+
+
+def ddp_settings(first_mb, cap_mb):
+    """How the run builds its DDP rows, for the JSON and the header."""
+    kwargs, by_defaults = common.ddp_best_kwargs(first_mb, cap_mb)
+    text = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    if by_defaults:
+        text += (f"{', ' if text else ''}first {first_mb:g} / cap {cap_mb:g} MiB through DDP's "
+                 f"module defaults ({by_defaults})")
+    return {"ddp": f"DDP({text})", "ddp_default": "DDP(model)"}
 
 
 def make_ddp_hook(module, ctx, first_mb, cap_mb, grad_as_view, reduce_dtype):
@@ -318,6 +352,8 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     fused = make_fused(spec.build(ctx.device), first_mb, cap_mb, gv, reduce_dtype=rd,
                        backend=backend)
     variants = [("ddp", ddp), ("fused", fused)]
+    if not args.no_ddp_default:  # DDP as constructed by default, next to its best settings
+        variants.insert(1, ("ddp_default", make_ddp_default(spec.build(ctx.device), ctx, gv)))
     if args.fused_pg:  # the same reducer on DDP's own transport: what the reducer alone gives
         variants.append(("fused_pg", make_fused(spec.build(ctx.device), first_mb, cap_mb, gv,
                                                 reduce_dtype=rd, backend="process_group")))
@@ -425,6 +461,8 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
               "telemetry": telemetry,
               "grad_max_abs_diff": diff, "grad_max_abs": scale,
               "ddp_buckets": ddp_layout(ddp),
+              "ddp_layouts": {name: ddp_layout(model) for name, model in variants
+                              if name.startswith("ddp")},
               "fused_buckets": fused_bytes_as_fp32(fused, rd),
               "fused_stats": fused.stats(),
               "fr_stats": {name: model.stats() for name, model in variants if name in FUSED_KINDS},
@@ -523,6 +561,11 @@ def _telemetry_summary(per_rank, name):
     return out
 
 
+def _ddp_buckets(measured, name):
+    """The rebuilt layout of DDP variant `name` (JSON of older runs: the one DDP layout)."""
+    return measured.get("ddp_layouts", {}).get(name, measured["ddp_buckets"])
+
+
 def summarise(per_rank, spec_info, first_mb, cap_mb, world):
     """Rows for one configuration from every rank's measurements (rank 0)."""
     names = list(per_rank[0]["times"])
@@ -542,7 +585,7 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
             nbytes = (sum(per_rank[0]["ddp_buckets"]) // 2) or None
             bytes_source = "DDP bucket sizes / 2 (compress hook)"
         elif nbytes is None and name.startswith("ddp"):
-            nbytes, bytes_source = sum(per_rank[0]["ddp_buckets"]) or None, "DDP bucket sizes"
+            nbytes, bytes_source = sum(_ddp_buckets(per_rank[0], name)) or None, "DDP bucket sizes"
         elif name == "local":
             bytes_source = "no communication"
         row = {
@@ -559,7 +602,7 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
             "exposed_per_rank_ms": [r["exposed"][name] for r in per_rank],
         }
         if name.startswith("ddp"):
-            row["bucket_sizes"] = per_rank[0]["ddp_buckets"]
+            row["bucket_sizes"] = _ddp_buckets(per_rank[0], name)
             row["ddp_num_buckets_reduced"] = per_rank[0]["ddp_num_buckets_reduced"]
         elif stats is not None:
             row["bucket_sizes"] = per_rank[0]["fr_buckets"][name]
@@ -577,6 +620,11 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
         row["ratio_to_ddp"] = row["median_ms"] / ddp["median_ms"]
         row["p90_ratio_to_ddp"] = row["p90_ms"] / ddp["p90_ms"]
         row["ratio_ci90"] = ratio_ci(row["step_times_ms"], ddp["step_times_ms"])
+        if "ddp_default" in rows:
+            default = rows["ddp_default"]
+            row["ratio_to_ddp_default"] = row["median_ms"] / default["median_ms"]
+            row["ratio_to_ddp_default_ci90"] = ratio_ci(row["step_times_ms"],
+                                                        default["step_times_ms"])
     check = {"grad_max_abs_diff": max(r["grad_max_abs_diff"] for r in per_rank),
              "grad_max_abs": max(r["grad_max_abs"] for r in per_rank),
              "layout_match": per_rank[0]["ddp_buckets"] == per_rank[0]["fused_buckets"]}
@@ -595,14 +643,14 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
 
 # -- output -------------------------------------------------------------------------------------
 TABLE_HEAD = (
-    "#  first     cap  impl       median      p90  bwd host  colls    MB/step  exposed   ratio  buckets\n"
-    "#  (MiB)   (MiB)               (ms)     (ms)      (ms)  /step    (1e6 B)     (ms)    /DDP")
+    "#  first     cap  impl          median      p90  bwd host  colls    MB/step  exposed   ratio  buckets\n"
+    "#  (MiB)   (MiB)                  (ms)     (ms)      (ms)  /step    (1e6 B)     (ms)  /DDP best")
 
 
 def format_row(row):
     mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
     buckets = len(row.get("bucket_sizes") or []) or "-"
-    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<8}"
+    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<11}"
             f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}{row['backward_host_ms']:10.2f}"
             f"  {row['collectives_per_step']:5d}"
             f"  {mb:>9}  {row['exposed_comm_ms']:7.2f}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
@@ -692,6 +740,10 @@ def worker(ctx, args):
     p(f"# {args.steps} timed steps per wrapper after {args.warmup} warm-up, interleaved in blocks of "
       f"{args.block} (the rounds cycle through every order of the wrappers); {args.probe_steps} probe steps for exposed comm; "
       f"seed {args.seed}" + (f"; A/A pair: {AA_NAMES[args.aa]} vs {args.aa}" if args.aa != "none" else ""))
+    p("# DDP rows: 'ddp' = DDP's best settings for each configuration's limits ("
+      + ddp_settings(firsts[0], caps[0])["ddp"] + " for the first"
+      + ("" if args.no_ddp_default else "); 'ddp_default' = DDP(model), DDP's own limits (1 MiB "
+                                        "first bucket, 25 MiB cap)") + "; ratios are to 'ddp'")
 
     rows, models_info = [], []
     total = len(specs) * len(configs)
@@ -711,6 +763,14 @@ def worker(ctx, args):
             dist.all_gather_object(per_rank, mine)
             if ctx.rank == 0:
                 config_rows = summarise(per_rank, info, first_mb, cap_mb, ctx.world_size)
+                built = ddp_settings(first_mb, cap_mb)
+                for row in config_rows:
+                    if row["impl"] == "ddp_default":
+                        row["constructed_as"] = built["ddp_default"]
+                    elif row["impl"] in ("ddp", "ddp_aa"):
+                        row["constructed_as"] = built["ddp"]
+                    elif row["impl"] == "ddp_hook":
+                        row["constructed_as"] = built["ddp"] + " + compress hook"
                 rows.extend(config_rows)
                 for row in config_rows:
                     p(format_row(row))
@@ -736,8 +796,10 @@ def worker(ctx, args):
                 if fr:
                     f = fr[0]
                     aa = (f" (A/A {f['aa']} {f['aa_ratio']:.3f})" if "aa_ratio" in f else "")
+                    default = (f"; FusedReducer/DDP default {f['ratio_to_ddp_default']:.3f}"
+                               if "ratio_to_ddp_default" in f else "")
                     p(f"# ratio FusedReducer/DDP median step, {info['model']} (first {first_mb:g}, "
-                      f"cap {cap_mb:g} MiB): {f['ratio_to_ddp']:.3f}{aa}")
+                      f"cap {cap_mb:g} MiB; DDP best): {f['ratio_to_ddp']:.3f}{aa}{default}")
                     if "ratio_to_ddp_hook" in f:
                         lo, hi = f["ratio_to_ddp_hook_ci90"]
                         p(f"# ratio FusedReducer({args.reduce_dtype})/DDP+compress hook median step, "
@@ -747,12 +809,18 @@ def worker(ctx, args):
                 tr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "tuned"
                       and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
                 if tr:
-                    p(f"# ratio tuned FusedReducer/DDP median step, {info['model']} (DDP first "
-                      f"{first_mb:g}, cap {cap_mb:g} MiB): {tr[0]['ratio_to_ddp']:.3f}")
+                    default = (f"; tuned/DDP default {tr[0]['ratio_to_ddp_default']:.3f}"
+                               if "ratio_to_ddp_default" in tr[0] else "")
+                    p(f"# ratio tuned FusedReducer/DDP median step, {info['model']} (DDP best, "
+                      f"first {first_mb:g}, cap {cap_mb:g} MiB): {tr[0]['ratio_to_ddp']:.3f}"
+                      f"{default}")
         fused_rows = [r for r in rows if r["impl"] == "fused"]
         if len(fused_rows) > 1:
             gm = math.exp(sum(math.log(r["ratio_to_ddp"]) for r in fused_rows) / len(fused_rows))
-            p(f"# geometric mean of FusedReducer/DDP over {len(fused_rows)} configurations: {gm:.3f}")
+            default = (f"; over DDP default {_geomean(fused_rows, 'ratio_to_ddp_default'):.3f}"
+                       if all("ratio_to_ddp_default" in r for r in fused_rows) else "")
+            p(f"# geometric mean of FusedReducer/DDP over {len(fused_rows)} configurations: "
+              f"{gm:.3f} (DDP best){default}")
         settings = {k: (str(v) if isinstance(v, torch.dtype) else v)
                     for k, v in vars(args).items() if k != "corrupt"}
         if args.json:
@@ -767,6 +835,10 @@ def worker(ctx, args):
             heatmap(plot_path, rows, meta, firsts, caps, [s.name for s in specs])
             p(f"# wrote {plot_path}")
     return 0
+
+
+def _geomean(rows, key):
+    return math.exp(sum(math.log(r[key]) for r in rows) / len(rows))
 
 
 def fused_mb(row):
@@ -786,12 +858,20 @@ def describe_config(config_rows):
     fused = by["fused"]
     lines = []
     lo, hi = fused["ratio_ci90"]
-    line = f"#   FusedReducer/DDP {fused['ratio_to_ddp']:.3f} (bootstrap 90% interval {lo:.3f}-{hi:.3f})"
+    line = (f"#   FusedReducer/DDP best {fused['ratio_to_ddp']:.3f} (bootstrap 90% interval "
+            f"{lo:.3f}-{hi:.3f})")
     if "aa_ratio" in fused:
         alo, ahi = fused["aa_ci90"]
         line += (f"; A/A {fused['aa']} {fused['aa_ratio']:.3f} (interval {alo:.3f}-{ahi:.3f}): "
                  f"noise band +-{abs(fused['aa_ratio'] - 1):.3f}")
     lines.append(line)
+    if "ddp_default" in by:
+        dlo, dhi = fused["ratio_to_ddp_default_ci90"]
+        lines.append(f"#   FusedReducer/DDP default {fused['ratio_to_ddp_default']:.3f} (interval "
+                     f"{dlo:.3f}-{dhi:.3f}); DDP best/DDP default "
+                     f"{by['ddp']['ratio_to_ddp_default']:.3f}")
+    lines.append("#   DDP rows: " + "; ".join(f"{r['impl']} = {r['constructed_as']}"
+                                           for r in config_rows if "constructed_as" in r))
     lines.append("#   transports: " + ", ".join(
         f"{name} {by[name]['stats']['transport']}" for name in FUSED_KINDS
         if "stats" in by.get(name, {})))
@@ -915,6 +995,9 @@ def build_parser():
                    help="consecutive steps of one wrapper before switching (default 1: alternate)")
     r.add_argument("--probe-steps", type=_positive_int, default=3,
                    help="extra steps per wrapper with the exposed-communication hooks (default 3)")
+    r.add_argument("--no-ddp-default", action="store_true",
+                   help="leave out the 'ddp_default' row (DDP(model), DDP's own limits), timed "
+                        "next to DDP with its best settings ('ddp') by default")
     r.add_argument("--aa", choices=("ddp", "fused", "none"), default="ddp",
                    help="A/A pair for the noise band: a second DDP (ddp, the default) or "
                         "FusedReducer (fused) interleaved with the others; its median over the "

@@ -231,7 +231,7 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
     assert {"meta", "settings", "models", "grid", "rows"} <= set(data)
     assert data["grid"] == {"first_bucket_mb": [0.001, 1.0], "bucket_cap_mb": [25.0]}
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 2  # models x configs x wrappers
+    assert len(rows) == 2 * 2 * 3  # models x configs x wrappers (DDP best, DDP default, fused)
     by_key = {(r["model"], r["first_bucket_mb"], r["impl"]): r for r in rows}
     for model in ("large", "many-small"):
         info = next(m for m in data["models"] if m["model"] == model)
@@ -247,6 +247,14 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
                 assert r["bytes_per_step"] == info["grad_bytes"]
             assert ddp["ratio_to_ddp"] == 1.0
             assert fused["ratio_to_ddp"] == pytest.approx(fused["median_ms"] / ddp["median_ms"])
+            # DDP(model) next to DDP's best settings; the ratios to it too
+            default = by_key[(model, first, "ddp_default")]
+            assert default["constructed_as"] == "DDP(model)"
+            assert "batched_grad_copy=True" in ddp["constructed_as"]
+            assert default["bytes_per_step"] == info["grad_bytes"]
+            assert default["collectives_per_step"] == len(default["bucket_sizes"])
+            assert fused["ratio_to_ddp_default"] == pytest.approx(
+                fused["median_ms"] / default["median_ms"])
             assert fused["layout_match"] and fused["grad_max_abs_diff"] <= 1e-6
             # ...and the independent count agrees with FusedReducer's own stats
             assert fused["stats"]["allreduces"] == fused["collectives_per_step"]
@@ -284,7 +292,7 @@ def test_step_bench_smoke_real_models(tmp_path):
     data = json.loads(out_json.read_text())
     assert [m["model"] for m in data["models"]] == names
     rows = data["rows"]
-    assert len(rows) == 2 * len(names)
+    assert len(rows) == 3 * len(names)  # DDP best, DDP default, FusedReducer
     for info in data["models"]:
         assert info["channels_last"] == info["model"].endswith("-cl")
         ddp, fused = (next(r for r in rows if r["model"] == info["model"] and r["impl"] == impl)
@@ -310,7 +318,7 @@ def test_step_bench_aa_pair_and_autotune(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out_json.read_text())["rows"]
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {"ddp", "fused", "fused_aa", "tuned"}
+    assert set(by) == {"ddp", "ddp_default", "fused", "fused_aa", "tuned"}
     for r in rows:
         assert r["steps"] == 3 and r["aa"] == "fused_aa/fused"
         assert r["aa_ratio"] == pytest.approx(by["fused_aa"]["median_ms"] / by["fused"]["median_ms"])
