@@ -135,7 +135,7 @@ def _max_difference(a, b):
 
 
 SIZE_ARGUMENTS = [dict(bucket_cap_mb_list=[0.3, 1]), dict(bucket_cap_mb_list=[1, 0.3]),
-                  dict(bucket_cap_mb_list=[0.3, 0.6, 1]), dict(bucket_cap_mb=1),
+                  dict(bucket_cap_mb_list=[0.3, 0.6, 1]), dict(bucket_cap_mb=0.6),
                   dict(bucket_cap_mb_list=[0.3, 1], find_unused_parameters=True), {}]
 
 
@@ -364,7 +364,7 @@ def test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_re
             if "bucket_cap_mb_list" in kwargs:
                 assert caps == [int(mb * MiB) for mb in kwargs["bucket_cap_mb_list"]], where
             elif "bucket_cap_mb" in kwargs:  # an explicit cap is the first bucket's too, as DDP
-                assert caps == [MiB, MiB], where
+                assert caps == [int(0.6 * MiB)] * 2, where
             else:
                 assert caps == [MiB, 25 * MiB], where
 
