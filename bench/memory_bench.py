@@ -23,8 +23,8 @@ default), so nothing one wrapper leaves in the allocator is charged to another. 
    every rank, counted in every rank's RSS, one copy in RAM; Pss shares it out).
    The peak ("train peak") is VmHWM over the training steps (reset through
    /proc/self/clear_refs after wrapping) minus "model".
-5. FusedReducer only: two more steps ("before": glibc's cache back at a step's level after the
-   trim of step 4), then --changes limit changes (bucket_cap_bytes / first_bucket_bytes set, then
+5. FusedReducer only: as many more steps as the changes will take ("before": glibc's cache back
+   at its level of a long run after the trim of step 4), then --changes limit changes (bucket_cap_bytes / first_bucket_bytes set, then
    --rebuild-steps steps each, so each one rebuilds the buckets at the next forward), then two
    steps with the last limits ("after"). "retained raw" = after - before, both as is;
    "retained trimmed" = after - steady, both trimmed; "rebuild peak" = VmHWM over the changes
@@ -188,7 +188,9 @@ def worker(ctx, args):
     result["steady"] = point()
     result["train_hwm"] = result["steady"]["raw"]["hwm"]
     if args.impl_now.startswith("fused") and args.changes:
-        for _ in range(2):  # glibc's cache back to a step's level after the trim
+        # As many steps as the changes will take, so that glibc's cache is back at its level of
+        # a long run after the trim (autograd's temporaries of a layer's size come from it).
+        for _ in range(args.changes * args.rebuild_steps + 2):
             step(model, opt, x, gv)
         result["before_rebuilds"] = memory()
         reset_peak()
