@@ -6,6 +6,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -88,6 +90,29 @@ std::string megabytes(int64_t bytes) {
   out.precision(3);
   out << static_cast<double>(bytes) / (1 << 20) << " MiB";
   return out.str();
+}
+
+// Note [Bucket memory]
+// CPU buckets are mapped from the kernel (anonymous mmap: zero-filled, unmapped when the last
+// tensor using them goes), not taken from malloc. A rebuild then gives the old buckets' pages
+// back to the system at once, and never disturbs glibc's heap: through malloc, freeing the first
+// layout's buckets (each up to the cap) raised glibc's dynamic mmap threshold to their size, so
+// the next layouts' buckets (and autograd's gradients of that size) came from the heap, where
+// freed blocks stay resident (bench/memory_bench.py: three limit changes left 16-115 MiB more
+// resident than before them on a 96 MiB-gradient model; tests/test_memory.py). Pages are
+// touched only when written, as with DDP's at::empty buckets. Other devices keep their caching
+// allocator.
+at::Tensor allocate_flat(int64_t numel, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) {
+    return at::zeros({numel}, options);
+  }
+  const size_t bytes = std::max<size_t>(
+      1, static_cast<size_t>(numel) * c10::elementSize(options.dtype().toScalarType()));
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) {
+    return at::zeros({numel}, options);  // the allocator's own out-of-memory error, if any
+  }
+  return at::from_blob(data, {numel}, [bytes](void* p) { munmap(p, bytes); }, options);
 }
 
 }  // namespace
@@ -862,6 +887,13 @@ std::vector<std::vector<int64_t>> Reducer::assign(const std::vector<int64_t>& or
 }
 
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
+  if (!options_.gradient_as_bucket_view) {
+    // Nothing lives in the old buckets between steps (the gradients are in param.grad): release
+    // them before making the new ones, so a rebuild needs no more memory than a step. With
+    // gradient_as_bucket_view the gradients are views of them, moved into the new buckets below
+    // (both layouts exist for that moment, as in DDP's rebuild). See Note [Bucket memory].
+    buckets_.clear();
+  }
   std::vector<Bucket> buckets(assignment.size());
   bucket_of_.assign(params_.size(), -1);
   slot_of_.assign(params_.size(), -1);
@@ -879,7 +911,7 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
       offsets.push_back(numel);
       numel += (params_[index].numel() + align - 1) / align * align;
     }
-    bucket.flat = at::zeros({numel}, first.options().dtype(dtype).requires_grad(false));
+    bucket.flat = allocate_flat(numel, first.options().dtype(dtype).requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const int64_t index = bucket.params[slot];
       const auto& param = params_[index];

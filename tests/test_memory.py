@@ -143,14 +143,6 @@ def test_limit_changes_leave_nothing_in_use_behind(measured, gv):
         assert entry["retained_trimmed"] <= 1 * MiB, (rank, gv, _mib(entry["retained_trimmed"]))
 
 
-NEEDS_BUCKET_MEMORY = pytest.mark.xfail(strict=True, reason=(
-    "needs the bucket allocation proposed in issue 22's memory report (ext/reducer.cpp, Note "
-    "[Bucket memory]: CPU buckets mapped with mmap, not taken from malloc, and without "
-    "gradient_as_bucket_view the old buckets released before the new ones are made); remove "
-    "this marker with that change"))
-
-
-@NEEDS_BUCKET_MEMORY
 @pytest.mark.parametrize("gv", [False, True], ids=["copy", "bucket_view"])
 def test_limit_changes_leave_nothing_resident_behind(measured, gv):
     """The same without trimming, RSS as a user sees it, against the same reading (two steps
@@ -162,7 +154,6 @@ def test_limit_changes_leave_nothing_resident_behind(measured, gv):
         assert entry["retained_raw"] <= GRAD_BYTES // 2, (rank, gv, _mib(entry["retained_raw"]))
 
 
-@NEEDS_BUCKET_MEMORY
 def test_a_rebuild_without_bucket_views_needs_no_second_layout(measured):
     """Without gradient_as_bucket_view nothing lives in the buckets between steps, so a rebuild
     can drop the old layout before it makes the new one: the limit changes' peak stays within a
