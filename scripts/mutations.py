@@ -793,4 +793,20 @@ MUTATIONS = [
         why="a parameter skipped as unused that a rank uses later is silently left unreduced (each rank keeps its own gradient) instead of raising",
         tests=["tests/test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes"],
     ),
+    dict(
+        id="buckets-from-malloc",
+        file=REDUCER_CPP,
+        edits=[("  if (!options.device().is_cpu()) {\n    return at::zeros({numel}, options);",
+                "  if (true) {\n    return at::zeros({numel}, options);")],
+        why="CPU buckets taken from malloc: after limit changes the freed buckets stay resident in glibc's heap (tens of MiB more than DDP's)",
+        tests=["tests/test_memory.py::test_limit_changes_leave_nothing_resident_behind"],
+    ),
+    dict(
+        id="rebuild-keeps-old-layout",
+        file=REDUCER_CPP,
+        edits=[("    buckets_.clear();\n  }\n  std::vector<Bucket> buckets(assignment.size());",
+                "  }\n  std::vector<Bucket> buckets(assignment.size());")],
+        why="a rebuild without bucket views makes the new buckets while the old ones are alive: its peak is a second layout",
+        tests=["tests/test_memory.py::test_a_rebuild_without_bucket_views_needs_no_second_layout"],
+    ),
 ]
