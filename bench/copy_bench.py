@@ -7,6 +7,13 @@ large device-to-device copy of the same bytes (the ceiling).
 
 With --to-dtype the bucket has another dtype than the gradients (reduce_dtype): the fused copy
 casts and scales in one pass; the D2D ceiling is then a byte copy moving the same total bytes.
+--unpack copies the other way, bucket -> gradients, as at the end of backward (with
+--to-dtype bfloat16 the widening bf16 -> fp32 unpack).
+
+The bucket is laid out as the reducer lays it out (Note [Slot layout] in ext/reducer.cpp): every
+gradient's slot starts at a multiple of 16 bytes of the flat buffer, padding between slots, so the
+fused copy takes its 16-byte vector path for every slot (a plain split of the flat buffer would put
+most slots off alignment and measure the scalar path instead).
 
 Bandwidth counts bytes read + bytes written, timed with CUDA events over --iters back-to-back
 copies after --warmup; the median of 5 repeats is reported. Needs a GPU and a CUDA build.
@@ -25,6 +32,21 @@ def parse_size(text):
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper()
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+SLOT_ALIGN_BYTES = 16  # kSlotAlignBytes in ext/reducer.cpp, Note [Slot layout]
+
+
+def slot_layout(numels, dtype, device="cuda"):
+    """A bucket's flat buffer and one slot view per gradient, as the reducer lays them out: each
+    slot starts at a multiple of 16 bytes (padding zeros between slots)."""
+    align = max(1, SLOT_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += -(-n // align) * align
+    flat = torch.zeros(total, device=device, dtype=dtype)
+    return flat, [flat.narrow(0, offset, n) for offset, n in zip(offsets, numels)]
 
 
 def time_ms(fn, iters, warmup):
@@ -49,6 +71,8 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--to-dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"],
                     help="bucket dtype (default: --dtype): a cast-copy, as with reduce_dtype")
+    ap.add_argument("--unpack", action="store_true",
+                    help="copy bucket -> gradients (the unpack at the end of backward)")
     ap.add_argument("--iters", type=int, default=50, help="timed copies per sample")
     ap.add_argument("--warmup", type=int, default=5, help="untimed copies first")
     ap.add_argument("--json", help="write the rows here")
@@ -61,16 +85,20 @@ def main():
     to_itemsize = torch.empty((), dtype=to_dtype).element_size()
     g = torch.Generator().manual_seed(0)
     rows = []
-    print(f"# {torch.cuda.get_device_name()}  dtype {args.dtype} -> {to_dtype}  {args.tensors} tensors "
-          "per bucket")
+    direction = "unpack" if args.unpack else "pack"
+    print(f"# {torch.cuda.get_device_name()}  gradients {args.dtype}, bucket {to_dtype}, {direction}  "
+          f"{args.tensors} tensors per bucket, 16-byte slots")
     print(f"# {'bucket':>10} {'fused GB/s':>11} {'copy_ GB/s':>11} {'D2D GB/s':>10} {'fused/D2D':>10}")
     for total in [parse_size(s) for s in args.sizes.split(",")]:
         weights = torch.rand(args.tensors, generator=g) + 0.5
         numels = (weights / weights.sum() * total / itemsize).long().clamp(min=1).tolist()
-        srcs = [torch.randn(n, device="cuda").to(dtype) for n in numels]
-        flat = torch.empty(sum(numels), device="cuda", dtype=to_dtype)
-        dsts = list(flat.split(numels))
-        moved = flat.numel() * (itemsize + to_itemsize)  # read + write
+        grads = [torch.randn(n, device="cuda").to(dtype) for n in numels]
+        flat, slots = slot_layout(numels, to_dtype)
+        if args.unpack:
+            for slot in slots:
+                slot.normal_()
+        srcs, dsts = (slots, grads) if args.unpack else (grads, slots)
+        moved = sum(numels) * (itemsize + to_itemsize)  # read + write
         big_src = torch.empty(moved // 2, device="cuda", dtype=torch.uint8)  # the same bytes moved
         big_dst = torch.empty_like(big_src)
 
@@ -87,8 +115,9 @@ def main():
         times = {name: time_ms(fn, args.iters, args.warmup)
                  for name, fn in [("fused", fused), ("copy_", per_tensor), ("d2d", d2d)]}
         gbps = {k: moved / (v * 1e-3) / 1e9 for k, v in times.items()}
-        rows.append({"bytes": flat.numel() * itemsize, "tensors": args.tensors, "dtype": args.dtype,
-                     "to_dtype": str(to_dtype).replace("torch.", ""),
+        rows.append({"bytes": sum(numels) * itemsize, "tensors": args.tensors, "dtype": args.dtype,
+                     "to_dtype": str(to_dtype).replace("torch.", ""), "direction": direction,
+                     "slot_align_bytes": SLOT_ALIGN_BYTES,
                      **{f"{k}_GBps": v for k, v in gbps.items()},
                      "fused_over_d2d": gbps["fused"] / gbps["d2d"]})
         print(f"  {rows[-1]['bytes']:>10} {gbps['fused']:>11.1f} {gbps['copy_']:>11.1f} "

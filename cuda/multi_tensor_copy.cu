@@ -6,13 +6,13 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "copy_split.h"
 #include "cuda_check.h"
 
 namespace fused_reducer::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVectorsPerThread = 4;  // per chunk: enough work per block to hide latency
+constexpr int kThreads = kCopyThreads;
 
 // Everything one launch needs, passed by value as kernel parameters (no extra
 // host-to-device copy of the segment table). ~19 KiB: needs CUDA >= 12.1, sm_70+.
@@ -69,10 +69,9 @@ __device__ __forceinline__ D scaled(S x, Math<S, D> scale) {
   return Narrow<D>::from(static_cast<Math<S, D>>(widen(x)) * scale);
 }
 
-// Elements per vector step: 16 bytes of the narrower side (the wider side moves
-// 16, 32 or 64 bytes, as 16-byte accesses).
+// Elements per vector step: see vector_elements (copy_split.h).
 template <typename S, typename D>
-constexpr int kVec = 16 / static_cast<int>(sizeof(S) < sizeof(D) ? sizeof(S) : sizeof(D));
+constexpr int kVec = vector_elements(sizeof(S), sizeof(D));
 
 template <typename T, int N>
 struct alignas(16) Pack {
@@ -90,15 +89,12 @@ __device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Mat
   const S* s = src ? src + begin : nullptr;
   D* d = dst + begin;
 
-  // Scalar head until dst is 16-byte aligned; vectors only if src is aligned there too.
-  const auto dst_address = reinterpret_cast<uintptr_t>(d);
-  int64_t head = static_cast<int64_t>(((16 - dst_address % 16) % 16) / sizeof(D));
-  const bool dst_elements_aligned = dst_address % sizeof(D) == 0;
-  if (!dst_elements_aligned || head > n ||
-      (s && reinterpret_cast<uintptr_t>(s + head) % 16 != 0)) {
-    head = n;  // no common alignment: all scalar
-  }
-  const int64_t vectors = (n - head) / V;
+  // Scalar head until the narrower side is 16-byte aligned, vectors where both
+  // sides are, scalar tail: see Note [Copy alignment].
+  const CopySplit split = split_for_vectors(reinterpret_cast<uintptr_t>(s), sizeof(S),
+                                            reinterpret_cast<uintptr_t>(d), sizeof(D), n);
+  const int64_t head = split.head;
+  const int64_t vectors = split.vectors;
   const D zero = Narrow<D>::from(0.0f);
 
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
@@ -152,7 +148,7 @@ template <typename S, typename D>
 void launch(const LaunchArgs& args, cudaStream_t stream) {
   const int64_t total = args.starts[args.num_segments];
   if (total == 0) return;
-  const int64_t chunk = static_cast<int64_t>(kThreads) * kVectorsPerThread * kVec<S, D>;
+  const int64_t chunk = copy_chunk_elements(sizeof(S), sizeof(D));
   const int64_t blocks = (total + chunk - 1) / chunk;
   scaled_copy_kernel<S, D><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, chunk);
   FR_CUDA_CHECK_LAUNCH();

@@ -21,8 +21,9 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3
 // destination dtype: scaling happens before a narrowing cast, so an fp16
 // destination overflows only where the scaled value itself is beyond fp16's
 // range (it becomes +-inf, as any float -> half conversion does). Any sizes and
-// offsets: 16-byte vector accesses where both pointers allow, scalar accesses
-// elsewhere.
+// offsets: 16-byte vector accesses where both pointers allow (aligned on the
+// narrower dtype, so widening copies vectorise too: Note [Copy alignment] in
+// copy_split.h), scalar accesses elsewhere.
 struct CopySegment {
   const void* src;
   void* dst;

@@ -13,12 +13,11 @@ constexpr auto kPollInterval = std::chrono::microseconds(50);
 constexpr auto kWatchInterval = std::chrono::milliseconds(1);
 constexpr auto kDestructorDeadline = std::chrono::seconds(5);
 
-std::string describe(ncclResult_t result, const char* call, const char* file, int line,
-                     ncclComm_t comm) {
+std::string describe(ncclResult_t result, const std::string& call, const char* file, int line,
+                     const char* detail) {
   std::ostringstream msg;
   msg << "FusedReducer: NCCL call " << call << " failed at " << file << ":" << line << ": "
       << ncclGetErrorString(result);
-  const char* detail = ncclGetLastError(comm);
   if (detail != nullptr && detail[0] != '\0') {
     msg << " (" << detail << ")";
   }
@@ -26,27 +25,46 @@ std::string describe(ncclResult_t result, const char* call, const char* file, in
   return msg.str();
 }
 
-// ncclInProgress is not an error for a non-blocking communicator: the caller
-// then polls with wait_until_done.
-#define FR_NCCL_CHECK(call, comm)                                                      \
-  do {                                                                                 \
-    const ncclResult_t fr_result_ = (call);                                            \
-    if (fr_result_ != ncclSuccess && fr_result_ != ncclInProgress) {                   \
-      throw std::runtime_error(describe(fr_result_, #call, __FILE__, __LINE__, (comm))); \
-    }                                                                                  \
+// For calls on no communicator (ids, version). ncclInProgress is not an error
+// for a non-blocking communicator: the caller then polls with wait_until_done.
+#define FR_NCCL_CHECK(call)                                                                \
+  do {                                                                                     \
+    const ncclResult_t fr_result_ = (call);                                                \
+    if (fr_result_ != ncclSuccess && fr_result_ != ncclInProgress) {                       \
+      throw std::runtime_error(                                                            \
+          describe(fr_result_, #call, __FILE__, __LINE__, ncclGetLastError(nullptr)));     \
+    }                                                                                      \
   } while (0)
+
+ncclResult_t real_all_reduce(const void* send, void* recv, size_t count, ncclDataType_t type,
+                             ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  return ncclAllReduce(send, recv, count, type, op, comm, stream);
+}
+ncclResult_t real_get_async_error(ncclComm_t comm, ncclResult_t* state) {
+  return ncclCommGetAsyncError(comm, state);
+}
+ncclResult_t real_finalize(ncclComm_t comm) { return ncclCommFinalize(comm); }
+ncclResult_t real_destroy(ncclComm_t comm) { return ncclCommDestroy(comm); }
+ncclResult_t real_abort(ncclComm_t comm) { return ncclCommAbort(comm); }
+const char* real_last_error(ncclComm_t comm) { return ncclGetLastError(comm); }
 
 }  // namespace
 
 std::string nccl_unique_id() {
   ncclUniqueId id;
-  FR_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+  FR_NCCL_CHECK(ncclGetUniqueId(&id));
   return std::string(id.internal, sizeof(id.internal));
+}
+
+const NcclApi& real_nccl_api() {
+  static const NcclApi api{real_all_reduce, real_get_async_error, real_finalize,
+                           real_destroy,    real_abort,           real_last_error};
+  return api;
 }
 
 int nccl_version() {
   int version = 0;
-  FR_NCCL_CHECK(ncclGetVersion(&version), nullptr);
+  FR_NCCL_CHECK(ncclGetVersion(&version));
   return version;
 }
 
@@ -56,7 +74,7 @@ int nccl_version() {
 
 NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device,
                    std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), device_(device) {
+    : api_(&real_nccl_api()), rank_(rank), world_size_(world_size), device_(device) {
   if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
     throw std::runtime_error("FusedReducer: an NCCL unique id has " +
                              std::to_string(sizeof(ncclUniqueId::internal)) + " bytes, got " +
@@ -67,11 +85,16 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   FR_CUDA_CHECK(cudaSetDevice(device_));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // so that a missing peer times out instead of hanging
-  const ncclResult_t result = ncclCommInitRankConfig(&comm_, world_size_, id, rank_, &config);
+  ncclComm_t comm = nullptr;
+  const ncclResult_t result = ncclCommInitRankConfig(&comm, world_size_, id, rank_, &config);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    comm_ = comm;
+  }
   try {
     if (result != ncclSuccess && result != ncclInProgress) {
-      throw std::runtime_error(
-          describe(result, "ncclCommInitRankConfig", __FILE__, __LINE__, comm_));
+      throw std::runtime_error(describe(result, "ncclCommInitRankConfig", __FILE__, __LINE__,
+                                        ncclGetLastError(comm)));
     }
     wait_until_done("creating the NCCL communicator (waiting for every rank to join)", timeout);
   } catch (...) {
@@ -80,117 +103,182 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   }
 }
 
+NcclComm::NcclComm(const NcclApi& api, ncclComm_t comm, int rank, int world_size, int device)
+    : api_(&api), comm_(comm), rank_(rank), world_size_(world_size), device_(device) {}
+
 NcclComm::~NcclComm() {
   close(kDestructorDeadline);
 }
 
 void NcclComm::abort() {
-  if (comm_ != nullptr && !aborted_.exchange(true)) {
-    ncclCommAbort(comm_);  // never waits for peers
+  std::lock_guard<std::mutex> lock(mutex_);
+  abort_locked();
+}
+
+void NcclComm::abort_locked() {
+  if (comm_ == nullptr) {
+    return;  // already released (aborted, or destroyed by close())
   }
+  const ncclComm_t comm = comm_;
+  aborted_.store(true);  // before the release: see Note [Who may touch the communicator]
+  comm_ = nullptr;
+  api_->abort(comm);  // never waits for peers
 }
 
 ncclResult_t NcclComm::async_error() const {
-  if (aborted_.load()) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_ == nullptr) {
     return ncclInvalidUsage;
   }
   ncclResult_t state = ncclSuccess;
-  const ncclResult_t call = ncclCommGetAsyncError(comm_, &state);
+  const ncclResult_t call = api_->get_async_error(comm_, &state);
   return call == ncclSuccess ? state : call;
 }
 
 std::string NcclComm::last_error() const {
-  const char* detail = ncclGetLastError(aborted_.load() ? nullptr : comm_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  const char* detail = api_->last_error(comm_);  // nullptr: the last error of any communicator
   return detail != nullptr ? detail : "";
 }
 
-void NcclComm::wait_until_done(const char* what, std::chrono::milliseconds timeout) {
+std::string NcclComm::gone_locked(const std::string& what) const {
+  return "FusedReducer: the NCCL communicator (rank " + std::to_string(rank_) + " of " +
+         std::to_string(world_size_) + ") was " +
+         (closed_.load() ? std::string("closed") : std::string("aborted after an earlier error")) +
+         " while " + what + "; construct a new FusedReducer";
+}
+
+void NcclComm::wait_until_done(const std::string& what, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
-    const ncclResult_t state = async_error();
-    if (state == ncclSuccess) {
-      return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (comm_ == nullptr) {
+        throw std::runtime_error(gone_locked(what));  // the watchdog aborted it between polls
+      }
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t call = api_->get_async_error(comm_, &state);
+      if (call != ncclSuccess) {
+        state = call;
+      }
+      if (state == ncclSuccess) {
+        return;
+      }
+      if (state != ncclInProgress) {
+        const std::string why =
+            describe(state, what, __FILE__, __LINE__, api_->last_error(comm_));
+        abort_locked();
+        throw std::runtime_error(why);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        abort_locked();
+        throw std::runtime_error("FusedReducer: timed out after " +
+                                 std::to_string(timeout.count()) + " ms " + what +
+                                 "; the NCCL communicator (rank " + std::to_string(rank_) +
+                                 " of " + std::to_string(world_size_) +
+                                 ") was aborted. A peer rank may have died or be stuck.");
+      }
     }
-    if (state != ncclInProgress) {
-      const std::string why = describe(state, what, __FILE__, __LINE__, comm_);
-      abort();
-      throw std::runtime_error(why);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      abort();
-      throw std::runtime_error("FusedReducer: timed out after " + std::to_string(timeout.count()) +
-                               " ms " + what + "; the NCCL communicator (rank " +
-                               std::to_string(rank_) + " of " + std::to_string(world_size_) +
-                               ") was aborted. A peer rank may have died or be stuck.");
-    }
-    std::this_thread::sleep_for(kPollInterval);
+    std::this_thread::sleep_for(kPollInterval);  // without the lock: the watchdog may abort
   }
 }
 
 void NcclComm::allreduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
                          cudaStream_t stream, std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_.load() || closed_.load()) {
-    throw std::runtime_error("FusedReducer: the NCCL communicator was " +
-                             std::string(aborted_.load() ? "aborted after an earlier error"
-                                                         : "closed") +
-                             "; construct a new FusedReducer");
+  std::lock_guard<std::mutex> operation(op_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (comm_ == nullptr || closed_.load()) {
+      throw std::runtime_error(gone_locked("starting an all-reduce"));
+    }
+    const ncclResult_t result = api_->all_reduce(data, data, count, type, op, comm_, stream);
+    if (result != ncclSuccess && result != ncclInProgress) {
+      throw std::runtime_error(
+          describe(result, "ncclAllReduce", __FILE__, __LINE__, api_->last_error(comm_)));
+    }
   }
-  FR_NCCL_CHECK(ncclAllReduce(data, data, count, type, op, comm_, stream), comm_);
   wait_until_done("enqueuing an all-reduce", timeout);  // enqueue only: no wait for the GPU
 }
 
 bool NcclComm::close(std::chrono::milliseconds deadline) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (comm_ == nullptr || closed_.exchange(true)) {
-    return false;
+  std::lock_guard<std::mutex> operation(op_mutex_);
+  ncclResult_t started;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (comm_ == nullptr || closed_.exchange(true)) {
+      return false;  // never opened, already closed, or abort already released it
+    }
+    started = api_->finalize(comm_);
   }
-  if (aborted_.load()) {
-    return false;  // abort already released it
-  }
-  bool clean = false;
-  const ncclResult_t started = ncclCommFinalize(comm_);
-  if (started == ncclSuccess || started == ncclInProgress) {
-    const auto until = std::chrono::steady_clock::now() + deadline;
-    ncclResult_t state = ncclInProgress;
-    while (state == ncclInProgress && std::chrono::steady_clock::now() < until) {
-      state = async_error();
-      if (state == ncclInProgress) {
-        std::this_thread::sleep_for(kPollInterval);
+  ncclResult_t state = started == ncclSuccess || started == ncclInProgress ? ncclInProgress
+                                                                            : started;
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (state == ncclInProgress) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (comm_ == nullptr) {
+        return false;  // aborted by another thread between polls
+      }
+      const ncclResult_t call = api_->get_async_error(comm_, &state);
+      if (call != ncclSuccess) {
+        state = call;
       }
     }
-    clean = state == ncclSuccess;
+    if (state != ncclInProgress || std::chrono::steady_clock::now() >= until) {
+      break;
+    }
+    std::this_thread::sleep_for(kPollInterval);  // without the lock
   }
-  if (clean) {
-    ncclCommDestroy(comm_);
-    aborted_.store(true);  // released: no further NCCL call on it
-  } else {
-    abort();  // a dead or stuck peer: never wait for it
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_ == nullptr) {
+    return false;
   }
-  return clean;
+  if (state != ncclSuccess) {
+    abort_locked();  // a dead or stuck peer: never wait for it
+    return false;
+  }
+  const ncclComm_t comm = comm_;
+  aborted_.store(true);  // released: no further NCCL call on it, set before the destroy
+  comm_ = nullptr;
+  api_->destroy(comm);
+  return true;
 }
 
 // ---------------------------------------------------------------------------
 // Watchdog
 // ---------------------------------------------------------------------------
 
-Watchdog::Watchdog(std::shared_ptr<NcclComm> comm) : comm_(std::move(comm)) {
+Watchdog::Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query)
+    : comm_(std::move(comm)), query_(std::move(query)) {
   thread_ = std::thread([this] { run(); });
 }
 
 Watchdog::~Watchdog() {
+  stop();
+}
+
+void Watchdog::stop() {
+  std::lock_guard<std::mutex> join(join_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  in_flight_.clear();  // nobody watches them any more
+  wake_.notify_all();  // drain()
 }
 
 void Watchdog::watch(std::shared_ptr<cudaEvent_t> done, std::chrono::milliseconds timeout,
                      std::string what) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) {
+      return;
+    }
     in_flight_.push_back({std::move(done), std::chrono::steady_clock::now() + timeout,
                           std::move(what)});
   }
@@ -204,21 +292,15 @@ void Watchdog::check() const {
   }
 }
 
+size_t Watchdog::in_flight() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return in_flight_.size();
+}
+
 void Watchdog::drain(std::chrono::milliseconds deadline) {
   const auto until = std::chrono::steady_clock::now() + deadline;
   std::unique_lock<std::mutex> lock(mutex_);
   wake_.wait_until(lock, until, [this] { return in_flight_.empty() || !error_.empty(); });
-}
-
-void Watchdog::fail(const std::string& why) {
-  // Called with mutex_ held. The first failure is the one reported.
-  if (error_.empty()) {
-    error_ = why + "; the NCCL communicator (rank " + std::to_string(comm_->rank()) + " of " +
-             std::to_string(comm_->world_size()) + ") was aborted. A peer rank may have died or "
-             "be stuck; construct a new FusedReducer to go on.";
-  }
-  in_flight_.clear();
-  comm_->abort();
 }
 
 void Watchdog::run() {
@@ -229,27 +311,49 @@ void Watchdog::run() {
       wake_.wait(lock, [this] { return stop_ || !in_flight_.empty(); });
       continue;
     }
-    // Collectives on one stream complete in order: the oldest decides.
-    Entry& oldest = in_flight_.front();
-    const cudaError_t query = cudaEventQuery(*oldest.done);
+    // Collectives on one stream complete in order: the oldest decides. Only
+    // this thread removes entries (stop() after joining it), so `oldest` stays
+    // the front while the lock is released for the queries: the communicator
+    // is polled without holding this mutex (lock order, and check() and
+    // watch() never wait behind NCCL).
+    const Entry oldest = in_flight_.front();
+    lock.unlock();
+    std::string why;
+    const cudaError_t query = query_(*oldest.done);
+    if (query == cudaSuccess) {
+      // done
+    } else if (query != cudaErrorNotReady) {
+      why = oldest.what + " failed on the GPU: " + cudaGetErrorString(query);
+    } else if (const ncclResult_t state = comm_->async_error();
+               state != ncclSuccess && state != ncclInProgress) {
+      why = oldest.what + ": NCCL reported an asynchronous error: " +
+            std::string(ncclGetErrorString(state)) + " (" + comm_->last_error() + ")";
+    } else if (std::chrono::steady_clock::now() > oldest.deadline) {
+      why = oldest.what + " did not complete within its timeout";
+    }
+    if (!why.empty()) {
+      lock.lock();
+      if (error_.empty()) {  // the first failure is the one reported
+        error_ = why + "; the NCCL communicator (rank " +
+                 std::to_string(comm_->rank()) + " of " + std::to_string(comm_->world_size()) +
+                 ") was aborted. A peer rank may have died or be stuck; construct a new "
+                 "FusedReducer to go on.";
+      }
+      in_flight_.clear();
+      wake_.notify_all();  // drain()
+      lock.unlock();
+      // Recorded first, so an owner that finds the communicator aborted also
+      // finds this error; the abort itself takes the communicator's lock.
+      comm_->abort();
+      lock.lock();
+      continue;
+    }
+    lock.lock();
     if (query == cudaSuccess) {
       in_flight_.pop_front();
       if (in_flight_.empty()) {
         wake_.notify_all();  // drain()
       }
-      continue;
-    }
-    if (query != cudaErrorNotReady) {
-      fail(oldest.what + " failed on the GPU: " + cudaGetErrorString(query));
-    } else if (const ncclResult_t state = comm_->async_error();
-               state != ncclSuccess && state != ncclInProgress) {
-      fail(oldest.what + ": NCCL reported an asynchronous error: " +
-           std::string(ncclGetErrorString(state)) + " (" + comm_->last_error() + ")");
-    } else if (std::chrono::steady_clock::now() > oldest.deadline) {
-      fail(oldest.what + " did not complete within its timeout");
-    }
-    if (!error_.empty()) {
-      wake_.notify_all();
       continue;
     }
     wake_.wait_for(lock, kWatchInterval, [this] { return stop_; });

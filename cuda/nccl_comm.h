@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +26,40 @@ namespace fused_reducer::cuda {
 std::string nccl_unique_id();
 int nccl_version();
 
+// The NCCL entry points NcclComm calls on its communicator: the real library
+// by default; a test passes fakes (tests/cpp/test_cuda_core.cpp checks the lock
+// discipline of Note [Who may touch the communicator] without a GPU).
+struct NcclApi {
+  ncclResult_t (*all_reduce)(const void* send, void* recv, size_t count, ncclDataType_t type,
+                             ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+  ncclResult_t (*get_async_error)(ncclComm_t comm, ncclResult_t* state);
+  ncclResult_t (*finalize)(ncclComm_t comm);
+  ncclResult_t (*destroy)(ncclComm_t comm);
+  ncclResult_t (*abort)(ncclComm_t comm);
+  const char* (*last_error)(ncclComm_t comm);
+};
+const NcclApi& real_nccl_api();
+
+// Note [Who may touch the communicator]
+// Two threads use one communicator: the owner's (the autograd hook thread:
+// all-reduce, close) and the watchdog's (asynchronous-error polls, abort). No
+// NCCL call on it ever overlaps another, and none follows its release:
+// - `mutex_` is held for every single NCCL call on `comm_` and for its release
+//   (ncclCommAbort / ncclCommDestroy). Polling loops (an enqueue or a finalize
+//   in progress) hold it for one ncclCommGetAsyncError at a time and release it
+//   while they sleep, so the watchdog can abort a stuck operation at its next
+//   poll, and its own 1 ms polls never starve the owner.
+// - `comm_` becomes nullptr, under `mutex_`, in the same critical section that
+//   releases it, and `aborted_` is set first: a thread that takes `mutex_` next
+//   sees the communicator gone instead of using freed memory, and aborted()
+//   (lock-free) never reports a live communicator that is being destroyed.
+// - `op_mutex_` serialises the owner's operations (an all-reduce and its
+//   enqueue poll, a finalize and its poll): NCCL forbids a new call on a
+//   non-blocking communicator while one is in progress. abort() never takes
+//   it, so it cannot be held off by a stuck operation.
+// Lock order: op_mutex_, then mutex_; the watchdog takes only mutex_, and never
+// while holding its own (Watchdog::run releases it first).
+
 // One rank of a non-blocking NCCL communicator on one CUDA device.
 class NcclComm {
  public:
@@ -33,6 +68,8 @@ class NcclComm {
   // aborted (never leaked) and std::runtime_error says what happened.
   NcclComm(const std::string& unique_id, int rank, int world_size, int device,
            std::chrono::milliseconds timeout);
+  // Adopts `comm`, an initialised communicator that `api` operates (tests).
+  NcclComm(const NcclApi& api, ncclComm_t comm, int rank, int world_size, int device);
   ~NcclComm();  // close() with a short deadline if the owner did not
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -40,11 +77,15 @@ class NcclComm {
   // In-place all-reduce of `count` elements at `data`, enqueued on `stream`.
   void allreduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
                  cudaStream_t stream, std::chrono::milliseconds timeout);
-  // ncclSuccess, ncclInProgress, or the communicator's asynchronous error.
+  // ncclSuccess, ncclInProgress, or the communicator's asynchronous error;
+  // ncclInvalidUsage once it was released.
   ncclResult_t async_error() const;
   std::string last_error() const;
-  // Stops everything in flight without waiting for peers. Idempotent.
+  // Stops everything in flight without waiting for peers, under the lock (see
+  // Note [Who may touch the communicator]). Idempotent; any thread.
   void abort();
+  // True once the communicator was released (aborted, or destroyed by close()):
+  // no NCCL call is made on it any more.
   bool aborted() const { return aborted_.load(); }
   // Finalize (flushes what is in flight), polled up to `deadline`, then
   // destroy; at the deadline, or on an error, abort. Idempotent. Returns true
@@ -56,38 +97,55 @@ class NcclComm {
   int device() const { return device_; }
 
  private:
-  // Polls the non-blocking communicator until `what` is done; aborts and
-  // throws on error or after `timeout`.
-  void wait_until_done(const char* what, std::chrono::milliseconds timeout);
+  // Polls the non-blocking communicator until `what` is done, taking `mutex_`
+  // per poll; aborts and throws on error or after `timeout`, throws if another
+  // thread aborted it meanwhile.
+  void wait_until_done(const std::string& what, std::chrono::milliseconds timeout);
+  // With mutex_ held.
+  void abort_locked();
+  std::string gone_locked(const std::string& what) const;
 
-  ncclComm_t comm_ = nullptr;
+  const NcclApi* api_;
+  ncclComm_t comm_ = nullptr;  // guarded by mutex_; nullptr once released
   int rank_;
   int world_size_;
   int device_;
-  std::atomic<bool> aborted_{false};
+  std::atomic<bool> aborted_{false};  // set before comm_ is released
   std::atomic<bool> closed_{false};
-  mutable std::mutex mutex_;  // NCCL calls on one communicator are not thread-safe
+  std::mutex op_mutex_;
+  mutable std::mutex mutex_;
 };
 
 // Watches collectives by their completion events on a thread of its own: when
 // one is not done by its deadline, or NCCL reports an asynchronous error, it
-// aborts the communicator and keeps the error, which check() then throws on
-// the owner's next call. Nobody else waits on the host.
+// records the error, then aborts the communicator (under the communicator's
+// lock, never its own), and check() throws that error on the owner's next call.
+// Nobody else waits on the host. stop() ends and joins the thread; the owner
+// calls it before closing the communicator, since pending collectives may keep
+// the watchdog itself alive longer (they call check()).
 class Watchdog {
  public:
-  explicit Watchdog(std::shared_ptr<NcclComm> comm);
-  ~Watchdog();  // stops the thread
+  // How a completion event is polled: cudaEventQuery, or a test's fake.
+  using EventQuery = std::function<cudaError_t(cudaEvent_t)>;
+  explicit Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query = cudaEventQuery);
+  ~Watchdog();  // stop()
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
   // `done` must stay valid until it completes or the watchdog stops (the
-  // watchdog holds a reference).
+  // watchdog holds a reference). `what` names the collective in the error,
+  // e.g. "all-reduce of bucket 3 of 7 (...)". Ignored after stop().
   void watch(std::shared_ptr<cudaEvent_t> done, std::chrono::milliseconds timeout,
              std::string what);
-  // Throws std::runtime_error with the first failure seen, if any.
+  // Throws std::runtime_error with the first failure seen, if any (also after stop()).
   void check() const;
   // Blocks until every watched collective completed or failed (close()).
   void drain(std::chrono::milliseconds deadline);
+  // Ends and joins the thread; an abort in progress completes first. After it,
+  // the watchdog makes no call on the communicator. Idempotent.
+  void stop();
+  // Collectives watched and not yet complete (tests).
+  size_t in_flight() const;
 
  private:
   struct Entry {
@@ -96,14 +154,15 @@ class Watchdog {
     std::string what;
   };
   void run();
-  void fail(const std::string& why);
 
   std::shared_ptr<NcclComm> comm_;
+  EventQuery query_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Entry> in_flight_;
   std::string error_;
   bool stop_ = false;
+  std::mutex join_mutex_;  // stop() from two threads joins once
   std::thread thread_;
 };
 

@@ -85,15 +85,24 @@ void NcclTransport::close(std::chrono::milliseconds deadline) {
     return;
   }
   watchdog_->drain(deadline);
-  watchdog_.reset();  // the last owner joins its thread
+  // Stopped here, not by its last owner: a pending collective may still hold it, and its thread
+  // must make no call on the communicator once close() releases it.
+  watchdog_->stop();
+  watchdog_.reset();
   comm_->close(deadline);
 }
 
 std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum(at::Tensor& flat) {
-  return allreduce(flat, ncclSum);
+  return allreduce(flat, ncclSum, "");
 }
 
-std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op) {
+std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum_labeled(at::Tensor& flat,
+                                                                        const std::string& label) {
+  return allreduce(flat, ncclSum, label);
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op,
+                                                            const std::string& label) {
   TORCH_CHECK(watchdog_, "FusedReducer: the NCCL transport was closed; construct a new FusedReducer");
   watchdog_->check();
   TORCH_CHECK(flat.is_cuda() && flat.device().index() == device_ && flat.is_contiguous(),
@@ -116,8 +125,14 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, nc
   auto done = make_event();
   FR_CUDA_CHECK(cudaEventRecord(*done, stream_.stream()));
   std::ostringstream what;
-  what << "all-reduce #" << ++launched_ << " (" << flat.numel() * flat.element_size()
-       << " bytes) on cuda:" << device_;
+  ++launched_;
+  if (label.empty()) {
+    what << "all-reduce #" << launched_ << " (" << flat.numel() * flat.element_size()
+         << " bytes)";
+  } else {
+    what << "all-reduce of " << label;
+  }
+  what << " on cuda:" << device_;
   watchdog_->watch(done, timeout_, what.str());
   return std::make_unique<PendingNccl>(watchdog_, done, device_);
 }

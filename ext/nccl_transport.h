@@ -24,7 +24,14 @@ namespace fused_reducer {
 // forward) are ordered after it on the GPU while the CPU runs ahead, as with
 // DDP. Timeouts and NCCL's asynchronous errors are the watchdog's job
 // (cuda::Watchdog): at a deadline it aborts the communicator, and the next
-// call into the transport (next bucket, wait, check(), close()) raises.
+// call into the transport (next bucket, wait, check(), close()) raises. That
+// error names the collective that failed, which need not be the one being
+// waited on: the reducer passes each bucket's name (allreduce_sum_labeled), so
+// it reads "all-reduce of bucket 3 of 7 (..., first 'fc.weight') ... did not
+// complete within its timeout"; an unnamed collective is "all-reduce #N". The
+// watchdog aborts under the communicator's lock and is stopped (its thread
+// joined) before the communicator is closed, even while a pending collective
+// still holds it: see Note [Who may touch the communicator] in nccl_comm.h.
 // Memory: each flat buffer is marked as used by the NCCL stream
 // (record_stream), so a buffer freed by a rebuild is not reused before the
 // all-reduce that reads it is done.
@@ -46,12 +53,16 @@ class NcclTransport : public Transport {
   ~NcclTransport() override;
 
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
+  // `label` names the bucket in the watchdog's error (see Note [NCCL without host stalls]).
+  std::unique_ptr<PendingCollective> allreduce_sum_labeled(at::Tensor& flat,
+                                                           const std::string& label) override;
   std::string name() const override;
   void check() override;
   void close(std::chrono::milliseconds deadline) override;
 
  private:
-  std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, ncclRedOp_t op);
+  std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, ncclRedOp_t op,
+                                               const std::string& label);
 
   std::shared_ptr<cuda::NcclComm> comm_;
   std::shared_ptr<cuda::Watchdog> watchdog_;

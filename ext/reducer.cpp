@@ -383,7 +383,12 @@ void Reducer::launch_ready_buckets() {
       bucket.collective = comm_hook_(index, next_to_launch_ == buckets_.size(), bucket.flat,
                                      bucket.views, bucket.params);
     } else {
-      bucket.collective = transport_->allreduce_sum(bucket.flat);
+      // Named as in wait_for_bucket's error: a background failure (the NCCL watchdog) may be
+      // raised by a later call, so the transport keeps the name of the bucket that failed.
+      bucket.collective = transport_->allreduce_sum_labeled(
+          bucket.flat, c10::str("bucket ", next_to_launch_ - 1, " of ", buckets_.size(), " (",
+                                bucket.params.size(), " parameters, ", megabytes(bucket.bytes),
+                                ", first '", names_[bucket.params.front()], "')"));
     }
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;

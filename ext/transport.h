@@ -32,6 +32,15 @@ class Transport {
   // Starts an in-place sum all-reduce of `flat` (a contiguous buffer owned by
   // the reducer, kept alive by it until wait() returns).
   virtual std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) = 0;
+  // The same, with a name for the collective, e.g. "bucket 3 of 7 (12 parameters, 4 MiB,
+  // first 'fc.weight')", for errors a transport raises later and elsewhere than in this
+  // collective's wait() (the NCCL watchdog's, raised by whichever call comes next, so the caller
+  // cannot add the name itself). Transports that fail only inside wait() ignore it.
+  virtual std::unique_ptr<PendingCollective> allreduce_sum_labeled(at::Tensor& flat,
+                                                                   const std::string& label) {
+    (void)label;
+    return allreduce_sum(flat);
+  }
   // Short name for stats and error messages, e.g. "process_group(gloo)".
   virtual std::string name() const = 0;
   // Raises the error of a collective that failed in the background (the NCCL
