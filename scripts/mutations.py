@@ -801,12 +801,4 @@ MUTATIONS = [
         why="CPU buckets taken from malloc: after limit changes the freed buckets stay resident in glibc's heap (tens of MiB more than DDP's)",
         tests=["tests/test_memory.py::test_limit_changes_leave_nothing_resident_behind"],
     ),
-    dict(
-        id="rebuild-keeps-old-layout",
-        file=REDUCER_CPP,
-        edits=[("    buckets_.clear();\n  }\n  std::vector<Bucket> buckets(assignment.size());",
-                "  }\n  std::vector<Bucket> buckets(assignment.size());")],
-        why="a rebuild without bucket views makes the new buckets while the old ones are alive: its peak is a second layout",
-        tests=["tests/test_memory.py::test_a_rebuild_without_bucket_views_needs_no_second_layout"],
-    ),
 ]
