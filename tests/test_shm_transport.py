@@ -184,6 +184,32 @@ def test_a_peer_that_never_comes_times_out_naming_it(outcomes):
         assert r != "no error" and "rank 0 stopped reducing" in r[0], r
 
 
+def check_peer_never_joins(rank, world):
+    """The last rank constructs no transport (dead, or another code path): the others raise
+    within their 2 s timeout naming it, not after the store's own timeout."""
+    group = dist.new_group()
+    if rank == world - 1:
+        time.sleep(6.0)  # gone for the others' whole timeout; then nothing is left to join
+        return None
+    start = time.monotonic()
+    try:
+        transport, _ = transport_module.shm_transport(group, 2.0)
+        transport.close(0.0)
+        return "no error", time.monotonic() - start
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+
+
+@uses(check_peer_never_joins)
+def test_a_peer_that_never_joins_makes_the_others_raise_within_the_timeout_naming_it(outcomes):
+    answers = results(outcomes, check_peer_never_joins)
+    world = len(answers)
+    for rank, (message, elapsed) in enumerate(answers[:-1]):
+        assert f"rank(s) [{world - 1}]" in message and "'shm-host' exchange" in message, \
+            (rank, message)
+        assert elapsed < 5, (rank, elapsed)
+
+
 def check_fallback(rank, world):
     """Ranks that report different hosts: 'auto' falls back to the process group (and trains);
     'shm' raises on every rank naming the hosts and what to use instead."""
@@ -557,8 +583,8 @@ def check_malformed_store_value(rank, world):
     (no shared memory, naming rank 1 and the value), none waits for another."""
     real = transport_module.exchange
 
-    def tampered(group, topic, text):
-        answers = real(group, topic, text)
+    def tampered(group, topic, text, timeout_s=None):
+        answers = real(group, topic, text, timeout_s)
         return ["garbage-without-a-tab"] * len(answers) if topic == "shm-create" else answers
 
     if rank == 1:

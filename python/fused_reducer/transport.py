@@ -118,7 +118,7 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     Collective over the group's store; every rank returns the same kind of answer, whatever
     fails on whichever rank (nothing may leave a peer waiting for an exchange)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    hosts = exchange(group, "shm-host", socket.gethostname())
+    hosts = exchange(group, "shm-host", socket.gethostname(), timeout_s)
     if len(set(hosts)) > 1:
         return None, f"the ranks are on several hosts ({', '.join(sorted(set(hosts)))})"
     created, transport = "", None
@@ -135,7 +135,7 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
             created = f"!rank 0: {e}"
     outcomes = None
     try:
-        created = exchange(group, "shm-create", created)[0]
+        created = exchange(group, "shm-create", created, timeout_s)[0]
         if created.startswith("!"):
             return None, created[1:]
         outcome = "ok"
@@ -145,7 +145,7 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
                 transport = _C.ShmTransport(name, False, rank, world, chunk, timeout_s)
             except Exception as e:  # noqa: BLE001 - every rank must get an answer
                 transport, outcome = None, f"rank {rank}: {e}"
-        outcomes = exchange(group, "shm-attach", outcome)
+        outcomes = exchange(group, "shm-attach", outcome, timeout_s)
     finally:
         if rank == 0 and transport is not None:
             transport.unlink()  # every rank has mapped it or given up (or the store failed)
@@ -314,9 +314,11 @@ def check_one_rank_per_gpu(group, device, identity=None):
 _exchange_rounds = {}  # per (group, topic): exchanges so far (the same sequence on every rank)
 
 
-def exchange(group, topic, text):
+def exchange(group, topic, text, timeout_s=None):
     """Every rank's `text`, in rank order, through the group's store: works for any backend and
-    on any device, before a communicator exists. Collective over `group`."""
+    on any device, before a communicator exists. Collective over `group`. With `timeout_s`, a
+    rank that does not arrive within it (dead, or not constructing FusedReducer) makes the others
+    raise naming it, instead of waiting for the store's own timeout."""
     store = _group_store(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = dist.distributed_c10d._get_process_group_name(group) if hasattr(
@@ -325,7 +327,24 @@ def exchange(group, topic, text):
     _exchange_rounds[(key, topic)] = round_ + 1
     prefix = f"fused_reducer/{restart_attempt()}/{topic}/{key}/{round_}/"
     store.set(prefix + str(rank), text)
-    return [store.get(prefix + str(r)).decode() for r in range(world)]
+    keys = [prefix + str(r) for r in range(world)]
+    if timeout_s is not None:
+        try:
+            store.wait(keys, timedelta(seconds=min(timeout_s, MAX_TIMEOUT_S)))
+        except Exception as e:  # noqa: BLE001 - the store's timeout, or a store gone with its host
+            missing = [r for r, key in enumerate(keys) if not _stored(store, key)]
+            raise RuntimeError(
+                f"FusedReducer: rank(s) {missing or '?'} of the group did not reach the "
+                f"{topic!r} exchange within {timeout_s:.0f} s (timeout=): a peer may have died, "
+                f"or not every rank constructs FusedReducer ({type(e).__name__}: {e})") from None
+    return [store.get(key).decode() for key in keys]
+
+
+def _stored(store, key):
+    try:
+        return store.check([key])
+    except Exception:  # noqa: BLE001 - the store itself is gone: nothing can be known
+        return True
 
 
 def restart_attempt():
