@@ -1,105 +1,243 @@
 #!/usr/bin/env bash
-# One prepared GPU run (about 8 minutes on one H200): prerequisites, build, GPU tests, GPU
-# benchmarks, and a short table last. Uses the machine's own python3 and torch (a GPU machine has
-# no package mirror). Exits non-zero when any stage fails; every stage runs under `timeout`.
+# One prepared GPU run that fits one short lease (one H200; issue 21 item 6): prerequisites, a
+# CUDA build for sm_90 only, the GPU tests, then short GPU benchmarks, and a table last.
 #
-#   bash bench/gpu_check.sh            # results and logs under $OUT (default bench/out/gpu)
+#   bash bench/gpu_check.sh      # $OUT set (device tool): writes there; else bench/out/gpu_check/
+#
+# Budget: every stage runs under `timeout` (plus 5 s --kill-after grace) and the limits below
+# add up to 420 s (tests/test_gpu_check_script.py parses and checks the sum), so a rerun fits in a
+# 15-minute lease with the machine's start; the tests come before the benchmarks.
+#   prereq 15 + build 150 + build_info 15 + gpu_tests 140 + no_skips 5 + copy_bench 30
+#   + allreduce_bw 30 + step_bench 30 + report 5 = 420
+# Output: exactly two files in the output folder, gpu_check_logs.tar.gz (every log, the pytest
+# junit XML, the benchmarks' JSON) and gpu_check_summary.txt; both are rewritten after each stage,
+# so a run killed from outside still leaves them. The summary table (stage, status, seconds) is
+# the last thing printed.
+# It fails (exit 1) when any stage fails, when the build is not a CUDA build
+# (fused_reducer.build_info()["cuda"] is not True: a CPU-only build would skip every GPU test),
+# and when any selected test is skipped; exit 2 when a prerequisite is missing.
+#
+# Versions: uses the machine's own python3 and torch (the GPU machine has torch 2.11; this
+# project's CI uses 2.14.1). Nothing here needs a newer torch than 2.11: only
+# torch.utils.cpp_extension (via setup.py), torch.distributed.run and the tests' and benchmarks'
+# own code; no torch API is called from this script itself.
 #
 # World size 1 for NCCL (one GPU: NCCL refuses two ranks on one GPU); two ranks on the one GPU run
-# over gloo with CUDA tensors (tests/test_gpu_ordering.py). Multi-GPU numbers: run
-# `python -m torch.distributed.run --nproc-per-node 8 bench/allreduce_bw.py` and
-# `... bench/step_bench.py` on your node.
+# over gloo with CUDA tensors (tests/test_gpu_ordering.py, tests/test_dropin.py's SyncBatchNorm).
+# Multi-GPU numbers: `python -m torch.distributed.run --nproc-per-node 8 bench/allreduce_bw.py`
+# and `... bench/step_bench.py` on your node.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${OUT:-bench/out/gpu}
+OUT=${OUT:-bench/out/gpu_check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-[ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-failed=()
+OUT=$(cd "$OUT" && pwd)
+ARCHIVE="$OUT/gpu_check_logs.tar.gz"
+SUMMARY="$OUT/gpu_check_summary.txt"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")  # logs live here, outside $OUT
+trap 'rm -rf "$WORK" "$WORK.tar.gz"' EXIT
 
-# stage NAME SECONDS COMMAND...: runs under timeout, logs to $OUT/NAME.log, records failures.
+# sm_90 only (H200): one arch compiles in about half the time of setup.py's default "8.0;9.0".
+export TORCH_CUDA_ARCH_LIST=9.0
+unset FUSED_REDUCER_NO_CUDA
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+[ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PYTHONPATH="$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+
+PLANNED=(prereq build build_info gpu_tests no_skips copy_bench allreduce_bw step_bench)
+NAMES=() STATUS=() SECS=()
+STARTED=$SECONDS
+
+# Archive every log (to a temporary file beside $WORK, then moved), so $OUT only ever holds the
+# archive and the summary.
+pack() {
+  tar -czf "$WORK.tar.gz" -C "$WORK" . 2>/dev/null && mv -f "$WORK.tar.gz" "$ARCHIVE"
+}
+
+# The table: one row per planned stage, then the overall row.
+table() {
+  local overall=$1 i name status secs
+  printf '%-14s %-18s %8s\n' stage status seconds
+  for name in "${PLANNED[@]}"; do
+    status="not run" secs="-"
+    for i in "${!NAMES[@]}"; do
+      [ "${NAMES[$i]}" = "$name" ] && status=${STATUS[$i]} secs=${SECS[$i]}
+    done
+    printf '%-14s %-18s %8s\n' "$name" "$status" "$secs"
+  done
+  printf '%-14s %-18s %8s\n' overall "$overall" "$((SECONDS - STARTED))"
+}
+
+write_summary() {
+  {
+    echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    [ -s "$WORK/gpu.txt" ] && cat "$WORK/gpu.txt"
+    [ -s "$WORK/build_info.json" ] && echo "build_info: $(cat "$WORK/build_info.json")"
+    [ -s "$WORK/results.txt" ] && cat "$WORK/results.txt"
+    echo
+    table "$1"
+  } > "$WORK/summary.txt"
+  cp "$WORK/summary.txt" "$SUMMARY"
+}
+
+# stage NAME SECONDS COMMAND...: runs under timeout, logs to $WORK/NAME.log, records the result.
 stage() {
-  local name=$1 seconds=$2
+  local name=$1 limit=$2 t0=$SECONDS rc status
   shift 2
-  echo "== $name (limit ${seconds}s)"
-  local t0=$(date +%s)
-  timeout --kill-after=10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 15 "$OUT/$name.log"
-  if [ $rc -ne 0 ]; then
-    [ $rc -eq 124 ] && echo "!! $name timed out after ${seconds}s" || echo "!! $name failed (exit $rc)"
-    failed+=("$name")
-  fi
-  echo "   $name took $(( $(date +%s) - t0 )) s"
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=5 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  tail -n 12 "$WORK/$name.log"
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="TIMEOUT ${limit}s" ;;
+    *) status="FAILED rc=$rc" ;;
+  esac
+  NAMES+=("$name") STATUS+=("$status") SECS+=("$((SECONDS - t0))")
+  echo "   $name: $status after $((SECONDS - t0)) s"
+  write_summary running
+  pack
   return $rc
 }
 
-echo "== prerequisites"
-missing=()
-command -v nvidia-smi > /dev/null || missing+=("nvidia-smi (no NVIDIA driver)")
-$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
-  || missing+=("a CUDA GPU visible to torch (torch.cuda.is_available() is False)")
-for module in ninja pytest matplotlib; do
-  $PY -c "import $module" 2>/dev/null || missing+=("python module $module")
-done
-$PY -m torch.distributed.run --help > /dev/null 2>&1 || missing+=("python -m torch.distributed.run")
-if [ ${#missing[@]} -gt 0 ]; then
-  printf 'gpu_check: missing prerequisite: %s\n' "${missing[@]}"
-  exit 2
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-
-stage build 400 $PY setup.py -q build_ext --inplace || { echo "gpu_check: build failed"; exit 1; }
-export PYTHONPATH="$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-$PY -c "import fused_reducer; print(fused_reducer.build_info())" | tee "$OUT/build_info.txt"
-
-stage gpu_tests 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ordering.py \
-  tests/test_backend.py
-stage copy_bench 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --json "$OUT/copy.json"
-stage copy_bench_bf16 120 $PY bench/copy_bench.py --sizes 1M,16M,64M,256M --dtype bfloat16 \
-  --json "$OUT/copy_bf16.json"
-stage copy_bench_cast 120 $PY bench/copy_bench.py --sizes 16M,64M,256M --dtype float32 \
-  --to-dtype bfloat16 --json "$OUT/copy_fp32_to_bf16.json"
-stage copy_bench_cast_back 120 $PY bench/copy_bench.py --sizes 16M,64M,256M --dtype bfloat16 \
-  --to-dtype float32 --json "$OUT/copy_bf16_to_fp32.json"
-stage allreduce_bw 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
-  bench/allreduce_bw.py -b 1M -e 256M -f 4 -n 20 -w 5 --impl fused,torch,cupy \
-  --json "$OUT/allreduce_bw.json" --plot "$OUT/allreduce_bw.png"
-stage step_bench 180 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
-  bench/step_bench.py --model large,many-small --steps 30 --json "$OUT/step.json"
-
-echo "== summary"
-$PY - "$OUT" "${failed[*]:-}" <<'PYEOF'
+# finish CODE: results, summary, archive; the table is the last thing printed.
+finish() {
+  local code=$1 overall=ok
+  [ "$code" -ne 0 ] && overall=FAILED
+  timeout 5 "$PY" - "$WORK" > "$WORK/results.txt" 2> "$WORK/report.log" <<'PYEOF'
 import json, os, sys
-out, failed = sys.argv[1], sys.argv[2].split()
-print(f"{'check':<48} {'result':>20}")
-for name in ("build", "gpu_tests", "copy_bench", "copy_bench_bf16", "copy_bench_cast",
-             "copy_bench_cast_back", "allreduce_bw", "step_bench"):
-    print(f"{name:<48} {'FAILED' if name in failed else 'ok':>20}")
+work = sys.argv[1]
 def load(name):
-    path = os.path.join(out, name)
-    return json.load(open(path)) if os.path.exists(path) else None
-for name, dtype in (("copy.json", "fp32"), ("copy_bf16.json", "bf16"),
-                    ("copy_fp32_to_bf16.json", "fp32->bf16"), ("copy_bf16_to_fp32.json", "bf16->fp32")):
+    try:
+        with open(os.path.join(work, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+for name, label in (("copy_fp32.json", "fp32 pack"), ("copy_fp32_to_bf16.json", "fp32->bf16 pack"),
+                    ("copy_bf16_to_fp32_unpack.json", "bf16->fp32 unpack")):
     for row in (load(name) or {}).get("rows", []):
-        label = f"copy fused/D2D {dtype} at {row['bytes'] >> 20} MiB"
-        print(f"{label:<48} {row['fused_over_d2d']:>20.2f}")
+        print(f"{'copy fused/D2D ' + label + ' ' + str(row['bytes'] >> 20) + ' MiB':<52} "
+              f"{row['fused_over_d2d']:>10.2f}")
 bw = load("allreduce_bw.json")
 if bw:
-    big = [r for r in bw["rows"] if r["bytes"] >= 64 << 20 and not r["inplace"]]
+    big = [r for r in bw.get("rows", []) if r["bytes"] >= 64 << 20 and not r["inplace"]]
     for impl in sorted({r["impl"] for r in big}):
         vals = [r["algbw_GBps"] for r in big if r["impl"] == impl]  # busbw is 0 at world size 1
-        print(f"{'all-reduce ' + impl + ' >=64MiB mean algbw GB/s':<48} {sum(vals) / len(vals):>20.1f}")
+        print(f"{'all-reduce ' + impl + ' >=64MiB mean algbw GB/s':<52} {sum(vals) / len(vals):>10.1f}")
 for row in (load("step.json") or {}).get("rows", []):
-    if row["impl"] == "fused":
-        print(f"{'step time ' + row['model'] + ' FusedReducer/DDP':<48} {row['ratio_to_ddp']:>20.3f}")
-    if row["impl"] in ("fused", "ddp"):
-        label = f"backward() host ms {row['model']} {row['impl']} (step {row['median_ms']:.1f})"
-        print(f"{label:<48} {row['backward_host_ms']:>20.2f}")
+    if row.get("impl") == "fused" and "ratio_to_ddp" in row:
+        print(f"{'step time ' + row['model'] + ' FusedReducer/DDP':<52} {row['ratio_to_ddp']:>10.3f}")
+    if row.get("impl") in ("fused", "ddp") and "backward_host_ms" in row:
+        print(f"{'backward() host ms ' + row['model'] + ' ' + row['impl']:<52} "
+              f"{row['backward_host_ms']:>10.2f}")
 PYEOF
-if [ ${#failed[@]} -gt 0 ]; then
-  echo "gpu_check: FAILED stages: ${failed[*]}"
-  exit 1
-fi
-echo "gpu_check: all stages passed"
+  write_summary "$overall"
+  pack
+  echo "== logs: $ARCHIVE"
+  echo "== summary: $SUMMARY"
+  cat "$WORK/results.txt" 2>/dev/null
+  echo
+  table "$overall"
+  exit "$code"
+}
+trap 'echo "gpu_check: interrupted"; finish 130' INT TERM
+
+# -- prerequisites (exit 2 when one is missing) ---------------------------------------------------
+PREREQ='
+import importlib.util, os, shutil, subprocess, sys
+missing = []
+if not shutil.which("nvidia-smi"):
+    missing.append("nvidia-smi (no NVIDIA driver)")
+if not (shutil.which("nvcc") or os.path.exists(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))):
+    missing.append("nvcc (a CUDA toolkit; set CUDA_HOME)")
+for module in ("ninja", "pytest", "pytest_timeout", "hypothesis"):
+    if importlib.util.find_spec(module) is None:
+        missing.append("python module " + module)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+if not torch.cuda.is_available():
+    missing.append("a CUDA GPU visible to torch (torch.cuda.is_available() is False)")
+if shutil.which("nvidia-smi"):
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    with open(sys.argv[1], "w") as f:
+        f.write(f"gpu: {gpu}; torch {torch.__version__} (CUDA {torch.version.cuda})\n")
+for m in missing:
+    print("gpu_check: missing prerequisite:", m)
+sys.exit(1 if missing else 0)
+'
+stage prereq 15 "$PY" -c "$PREREQ" "$WORK/gpu.txt" || finish 2
+
+# -- build (sm_90 only) and the CUDA-build assertion ----------------------------------------------
+stage build 150 "$PY" setup.py -q build_ext --inplace || finish 1
+BUILD_INFO='
+import json, sys
+import fused_reducer
+info = fused_reducer.build_info()
+with open(sys.argv[1], "w") as f:
+    json.dump(info, f)
+print(info)
+assert info["cuda"] is True, "not a CUDA build: build_info()[\"cuda\"] is %r (see build.log)" % info["cuda"]
+assert info["cuda_arch_list"] == "9.0", "built for %r, expected 9.0" % info["cuda_arch_list"]
+'
+# A CPU-only build would make every GPU test skip: stop here, loudly.
+stage build_info 15 "$PY" -c "$BUILD_INFO" "$WORK/build_info.json" \
+  || { echo "gpu_check: fused_reducer.build_info()[\"cuda\"] is not True: not a CUDA build"; finish 1; }
+
+failed=0
+# -- GPU tests first ------------------------------------------------------------------------------
+# --timeout 60 (pytest-timeout) bounds every test, a peer that never joins included, well inside
+# the stage's 140 s; -rs lists skips in the log, the junit XML feeds the no_skips stage.
+GPU_TESTS=(
+  tests/test_gpu.py
+  tests/test_gpu_ordering.py
+  tests/test_backend.py
+  tests/test_reduce_dtype.py::test_cast_copy_cuda_one_launch
+  tests/test_dropin.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda
+)
+stage gpu_tests 140 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rs \
+  --junitxml "$WORK/gpu_tests.xml" "${GPU_TESTS[@]}" || failed=1
+
+# Any skipped (or xfailed) test fails the check, and every GPU test of the selection must have run.
+NO_SKIPS='
+import re, sys
+import xml.etree.ElementTree as ET
+xml_path, sources = sys.argv[1], sys.argv[2:]
+cases = list(ET.parse(xml_path).getroot().iter("testcase"))
+ran = {c.get("name", "").split("[")[0] for c in cases}
+skipped = [c for c in cases if c.find("skipped") is not None]
+for c in skipped:
+    print("SKIPPED:", c.get("classname"), c.get("name"), "-", c.find("skipped").get("message"))
+expected = set()
+for source in sources:
+    path, _, test = source.partition("::")
+    expected |= {test} if test else set(re.findall(r"^def (test_\w+)", open(path).read(), re.M))
+missing = sorted(expected - ran)
+for name in missing:
+    print("NOT RUN:", name)
+print(f"{len(cases)} tests, {len(skipped)} skipped, {len(missing)} expected but not run")
+sys.exit(1 if skipped or missing or not cases else 0)
+'
+stage no_skips 5 "$PY" -c "$NO_SKIPS" "$WORK/gpu_tests.xml" "${GPU_TESTS[@]}" || failed=1
+
+# -- short benchmarks -----------------------------------------------------------------------------
+# Copy kernel on the reducer's 16-byte slot layout: fp32 pack, the reduce_dtype narrowing pack
+# fp32 -> bf16, and the widening unpack bf16 bucket -> fp32 gradients (--unpack).
+COPY='
+rc=0
+"$0" bench/copy_bench.py --sizes 1M,64M,256M --iters 20 --warmup 3 --json "$1/copy_fp32.json" || rc=1
+"$0" bench/copy_bench.py --sizes 1M,64M,256M --iters 20 --warmup 3 --dtype float32 \
+  --to-dtype bfloat16 --json "$1/copy_fp32_to_bf16.json" || rc=1
+"$0" bench/copy_bench.py --sizes 1M,64M,256M --iters 20 --warmup 3 --dtype float32 \
+  --to-dtype bfloat16 --unpack --json "$1/copy_bf16_to_fp32_unpack.json" || rc=1
+exit $rc
+'
+stage copy_bench 30 bash -c "$COPY" "$PY" "$WORK" || failed=1
+stage allreduce_bw 30 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+  bench/allreduce_bw.py -b 1M -e 256M -f 16 -n 10 -w 3 --impl fused,torch,cupy \
+  --json "$WORK/allreduce_bw.json" || failed=1
+stage step_bench 30 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+  bench/step_bench.py --model large --steps 10 --warmup 3 --aa none --no-ddp-default \
+  --json "$WORK/step.json" || failed=1
+
+finish "$failed"
