@@ -248,8 +248,8 @@ bool NcclComm::close(std::chrono::milliseconds deadline) {
 // Watchdog
 // ---------------------------------------------------------------------------
 
-Watchdog::Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query)
-    : comm_(std::move(comm)), query_(std::move(query)) {
+Watchdog::Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query, SelectDevice select_device)
+    : comm_(std::move(comm)), query_(std::move(query)), select_device_(std::move(select_device)) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -303,8 +303,33 @@ void Watchdog::drain(std::chrono::milliseconds deadline) {
   wake_.wait_until(lock, until, [this] { return in_flight_.empty() || !error_.empty(); });
 }
 
+// Called without mutex_ held.
+void Watchdog::fail(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_.empty()) {  // the first failure is the one reported
+      error_ = why + "; the NCCL communicator (rank " + std::to_string(comm_->rank()) + " of " +
+               std::to_string(comm_->world_size()) +
+               ") was aborted. A peer rank may have died or be stuck; construct a new "
+               "FusedReducer to go on.";
+    }
+    in_flight_.clear();
+    wake_.notify_all();  // drain()
+  }
+  // Recorded first, so an owner that finds the communicator aborted also finds this error; the
+  // abort itself takes the communicator's lock.
+  comm_->abort();
+}
+
 void Watchdog::run() {
-  cudaSetDevice(comm_->device());
+  // Event queries and the abort must run on the communicator's device.
+  if (const cudaError_t selected = select_device_(comm_->device()); selected != cudaSuccess) {
+    fail("the NCCL watchdog could not select cuda:" + std::to_string(comm_->device()) + " (" +
+         cudaGetErrorString(selected) + "), so no collective could be watched");
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait(lock, [this] { return stop_; });
+    return;
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     if (in_flight_.empty()) {
@@ -332,19 +357,7 @@ void Watchdog::run() {
       why = oldest.what + " did not complete within its timeout";
     }
     if (!why.empty()) {
-      lock.lock();
-      if (error_.empty()) {  // the first failure is the one reported
-        error_ = why + "; the NCCL communicator (rank " +
-                 std::to_string(comm_->rank()) + " of " + std::to_string(comm_->world_size()) +
-                 ") was aborted. A peer rank may have died or be stuck; construct a new "
-                 "FusedReducer to go on.";
-      }
-      in_flight_.clear();
-      wake_.notify_all();  // drain()
-      lock.unlock();
-      // Recorded first, so an owner that finds the communicator aborted also
-      // finds this error; the abort itself takes the communicator's lock.
-      comm_->abort();
+      fail(why);
       lock.lock();
       continue;
     }

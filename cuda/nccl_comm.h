@@ -127,7 +127,12 @@ class Watchdog {
  public:
   // How a completion event is polled: cudaEventQuery, or a test's fake.
   using EventQuery = std::function<cudaError_t(cudaEvent_t)>;
-  explicit Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query = cudaEventQuery);
+  // How the thread selects the communicator's device: cudaSetDevice, or a test's fake. If that
+  // fails, the watchdog cannot poll or abort on the right device: it records the error and
+  // aborts the communicator at once (never a watchdog that silently watches nothing).
+  using SelectDevice = std::function<cudaError_t(int)>;
+  explicit Watchdog(std::shared_ptr<NcclComm> comm, EventQuery query = cudaEventQuery,
+                    SelectDevice select_device = cudaSetDevice);
   ~Watchdog();  // stop()
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -155,8 +160,11 @@ class Watchdog {
   };
   void run();
 
+  void fail(const std::string& why);  // records `why` (the first failure wins), then aborts
+
   std::shared_ptr<NcclComm> comm_;
   EventQuery query_;
+  SelectDevice select_device_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Entry> in_flight_;

@@ -314,6 +314,10 @@ struct FakeEvents {
   }
 };
 
+// The watchdog thread's cudaSetDevice, faked: these tests run without a GPU.
+cudaError_t device_selected(int) { return cudaSuccess; }
+cudaError_t no_such_device(int) { return cudaErrorInvalidDevice; }
+
 std::string watchdog_error(const Watchdog& watchdog) {
   return error_of([&] { watchdog.check(); });
 }
@@ -447,7 +451,7 @@ void test_watchdog() {
     FakeEvents events;
     auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
     f.comm = comm.get();
-    Watchdog watchdog(comm, events.query());
+    Watchdog watchdog(comm, events.query(), device_selected);
     auto a = events.make(), b = events.make();
     watchdog.watch(a, 10000ms, "a");
     watchdog.watch(b, 10000ms, "b");
@@ -471,7 +475,7 @@ void test_watchdog() {
     FakeEvents events;
     auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
     f.comm = comm.get();
-    Watchdog watchdog(comm, events.query());
+    Watchdog watchdog(comm, events.query(), device_selected);
     auto stuck = events.make();
     watchdog.watch(stuck, 30ms, bucket);
     std::atomic<bool> go{true};
@@ -506,7 +510,7 @@ void test_watchdog() {
     FakeEvents events;
     auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
     f.comm = comm.get();
-    Watchdog watchdog(comm, events.query());
+    Watchdog watchdog(comm, events.query(), device_selected);
     auto first = events.make(), second = events.make();
     watchdog.watch(first, 10000ms, bucket);
     watchdog.watch(second, 10000ms, "all-reduce of bucket 4 of 7");
@@ -528,7 +532,7 @@ void test_watchdog() {
     FakeEvents events;
     auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
     f.comm = comm.get();
-    Watchdog watchdog(comm, events.query());
+    Watchdog watchdog(comm, events.query(), device_selected);
     watchdog.watch(events.make(cudaErrorLaunchFailure), 10000ms, bucket);
     expect(eventually([&] { return !watchdog_error(watchdog).empty(); }), "the GPU error is seen");
     watchdog.stop();
@@ -538,6 +542,26 @@ void test_watchdog() {
     expect_clean(f, "watchdog, GPU error");
     f.comm = nullptr;
   }
+  {  // The thread cannot select the communicator's device: it reports that and aborts at once
+     // instead of watching nothing.
+    FakeNccl f;
+    fake = &f;
+    FakeEvents events;
+    auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 3);
+    f.comm = comm.get();
+    Watchdog watchdog(comm, events.query(), no_such_device);
+    expect(eventually([&] { return !watchdog_error(watchdog).empty(); }),
+           "a failed cudaSetDevice is reported");
+    watchdog.watch(events.make(), 10000ms, bucket);
+    watchdog.drain(5000ms);  // returns on the error, does not wait for the deadline
+    watchdog.stop();
+    const std::string e = watchdog_error(watchdog);
+    expect(contains(e, "could not select cuda:3") && contains(e, "aborted"),
+           "the error names the device: " + e);
+    expect(comm->aborted() && f.aborts.load() == 1, "... and the communicator is aborted");
+    expect_clean(f, "watchdog without its device");
+    f.comm = nullptr;
+  }
   {  // Stopped explicitly while a pending collective still holds it: its thread is joined and
      // makes no call on the communicator, which can then be closed safely.
     FakeNccl f;
@@ -545,7 +569,7 @@ void test_watchdog() {
     FakeEvents events;
     auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
     f.comm = comm.get();
-    auto watchdog = std::make_shared<Watchdog>(comm, events.query());
+    auto watchdog = std::make_shared<Watchdog>(comm, events.query(), device_selected);
     std::shared_ptr<Watchdog> pending = watchdog;  // as PendingNccl holds it
     watchdog->watch(events.make(), 10000ms, bucket);
     std::this_thread::sleep_for(5ms);
