@@ -41,8 +41,16 @@ namespace fused_reducer {
 // host only after finalize_backward made the current stream wait for every
 // bucket, and the process group's wait() makes the current stream wait for
 // them before the next bucket's copy, so the two never overlap on the GPU.
-// Users must not run other collectives on other streams concurrently with
-// backward (DDP has the same rule).
+// Nothing else may run collectives on another NCCL communicator of this
+// device while backward runs: NCCL documents that concurrent collectives on
+// two communicators of the same devices can deadlock. DDP does not have this
+// rule, because it uses one communicator (the process group's) for buckets,
+// SyncBatchNorm and comm hooks alike. So the NCCL transport is never combined
+// with those (Note [One NCCL communicator] in python/fused_reducer/reducer.py):
+// backend="auto" picks the process group for a model with an NCCL
+// SyncBatchNorm, and an explicit backend="nccl" with one, or a comm hook
+// registered while this transport is in use, raises naming
+// backend="process_group".
 class NcclTransport : public Transport {
  public:
   // Joins the communicator `unique_id` as `rank` of `world_size` on CUDA

@@ -6,11 +6,15 @@
   (recorded by stand-ins for torch.distributed, independent of the library's bookkeeping);
 * bucket slots are 16-byte aligned and keep the parameter's strides (channels_last), checked on
   the gradients' own data pointers and strides, and the gradients still equal DDP's;
-* close() is idempotent and final; no reference cycle keeps a reducer alive (no gc needed).
+* close() is idempotent and final; no reference cycle keeps a reducer alive (no gc needed);
+* one NCCL communicator: under backend="auto" a model with an NCCL SyncBatchNorm gets the
+  process-group transport, an explicit backend="nccl" with one is refused naming the module and
+  the fix, and a comm hook on the NCCL transport is refused naming the fix.
 The GPU side of the same behaviour runs in tests/test_gpu.py (bench/gpu_check.sh).
 """
 import gc
 import weakref
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -163,8 +167,35 @@ def check_close_and_no_cycle(rank, world_size):
     return out
 
 
+# -- one NCCL communicator (issue 21 item 3) -------------------------------------------------------
+
+def check_comm_hook_refused_on_the_nccl_transport(rank, world_size):
+    """A model whose transport is reported as NCCL, over a group reported as NCCL: a comm hook
+    would run on a second NCCL communicator, so registering it raises naming the fix; with the
+    process-group transport (the fix) the same hook registers and trains."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fused_reducer.FusedReducer(nn.Linear(4, 4), backend="process_group")
+    model.backend = "nccl"  # the transport reported as NCCL ...
+    saved = dist.get_backend
+    try:
+        dist.get_backend = lambda group=None: "nccl"  # ... over an NCCL process group
+        try:
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+            refused = None
+        except fused_reducer.FusedReducerError as e:
+            refused = str(e)
+    finally:
+        dist.get_backend = saved
+    out = {"refused": refused, "hook_kept": model._comm_hook is not None}
+    model.backend = "process_group"
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model(torch.randn(2, 4)).sum().backward()
+    out["trained"] = all(p.grad is not None for p in model.parameters())
+    return out
+
+
 CHECKS = [check_shared_gpu_refused, check_collective_devices, check_slots,
-          check_close_and_no_cycle]
+          check_close_and_no_cycle, check_comm_hook_refused_on_the_nccl_transport]
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +233,113 @@ def test_close_is_final_and_idempotent_and_no_cycle_keeps_a_reducer_alive(outcom
     for r in per_rank(outcomes, "check_close_and_no_cycle"):
         assert r["freed_without_gc"], r
         assert r["forward_after_close"] and "closed" in r["forward_after_close"], r
+
+
+# -- one NCCL communicator (issue 21 item 3): see Note [One NCCL communicator] in reducer.py -------
+
+@contextmanager
+def nccl_stand_ins(gloo_groups=()):
+    """A CUDA build (for resolve_backend) and every process group reported as NCCL, except the
+    stand-in groups in `gloo_groups`."""
+    saved = (dist.get_backend, transport_module._C)
+
+    class FakeC:
+        BUILD_INFO = {"cuda": True}
+
+    try:
+        dist.get_backend = lambda group=None: "gloo" if any(
+            group is g for g in gloo_groups) else "nccl"
+        transport_module._C = FakeC
+        yield
+    finally:
+        dist.get_backend, transport_module._C = saved
+
+
+def sync_bn_net(process_group=None):
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(
+        nn.Linear(4, 4), nn.SyncBatchNorm(4, process_group=process_group)))
+
+
+CUDA2 = torch.device("cuda", 2)
+
+
+def test_auto_on_cuda_picks_the_process_group_for_a_model_with_syncbatchnorm_on_nccl():
+    choose = reducer_module._one_communicator_backend
+    gloo_group = object()
+    with nccl_stand_ins(gloo_groups=[gloo_group]):
+        assert choose("auto", CUDA2, sync_bn_net(), None) == "process_group"
+        # a SyncBatchNorm that is the wrapped module itself
+        assert choose("auto", CUDA2, nn.SyncBatchNorm(4), None) == "process_group"
+        # without SyncBatchNorm, or with one whose group is not NCCL: the NCCL transport
+        plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        assert choose("auto", CUDA2, plain, None) == "auto"
+        assert transport_module.resolve_backend("auto", CUDA2) == "nccl"
+        assert choose("auto", CUDA2, sync_bn_net(gloo_group), None) == "auto"
+        assert choose("nccl", CUDA2, sync_bn_net(gloo_group), None) == "nccl"
+        # the process-group transport is already one communicator: unchanged
+        assert choose("process_group", CUDA2, sync_bn_net(), None) == "process_group"
+        # a model with a hook re-attaching (after unpickling) over an NCCL group
+        assert choose("auto", CUDA2, plain, None, has_hook=True) == "process_group"
+        with pytest.raises(fused_reducer.FusedReducerError, match="communication hook"):
+            choose("nccl", CUDA2, plain, None, has_hook=True)
+
+
+def test_explicit_nccl_with_syncbatchnorm_raises_naming_module_reason_and_fix():
+    with nccl_stand_ins():
+        with pytest.raises(fused_reducer.FusedReducerError) as refused:
+            reducer_module._one_communicator_backend("nccl", CUDA2, sync_bn_net(), None)
+    message = str(refused.value)
+    for part in ("backend='nccl'", "SyncBatchNorm '1.1'", "two communicators", "deadlock",
+                 "backend='process_group'", "backend='auto'"):
+        assert part in message, (part, message)
+    assert isinstance(refused.value, RuntimeError)
+
+
+class _Reached(Exception):
+    pass
+
+
+def _attach_until_the_gpu_check(module, backend):
+    """FusedReducer._attach as construction runs it, on a model 'on' cuda:2 over a group
+    reported as NCCL, stopped at the one-rank-per-GPU check (its first collective): returns the
+    backend it is about to build the transport for."""
+    model = fused_reducer.FusedReducer.__new__(fused_reducer.FusedReducer)
+    for name, value in (("module", module), ("device", CUDA2), ("process_group", None),
+                        ("_backend_request", backend), ("backend", backend),
+                        ("_comm_hook", None)):
+        object.__setattr__(model, name, value)
+    saved = reducer_module.check_one_rank_per_gpu
+
+    def reached(group, device):
+        raise _Reached(model.backend)
+
+    try:
+        reducer_module.check_one_rank_per_gpu = reached
+        with nccl_stand_ins():
+            model._attach([])
+    except _Reached as e:
+        return e.args[0]
+    finally:
+        reducer_module.check_one_rank_per_gpu = saved
+    raise AssertionError("_attach did not reach the GPU check")
+
+
+def test_construction_applies_the_rule_before_any_collective():
+    assert _attach_until_the_gpu_check(sync_bn_net(), "auto") == "process_group"
+    assert _attach_until_the_gpu_check(nn.Linear(4, 4), "auto") == "nccl"
+    with pytest.raises(fused_reducer.FusedReducerError, match="SyncBatchNorm '1.1'"):
+        _attach_until_the_gpu_check(sync_bn_net(), "nccl")
+
+
+def test_comm_hook_on_the_nccl_transport_over_nccl_is_refused_naming_the_fix(outcomes):
+    for r in per_rank(outcomes, "check_comm_hook_refused_on_the_nccl_transport"):
+        message = r["refused"]
+        assert message is not None, r
+        for part in ("allreduce_hook", "own NCCL communicator", "deadlock",
+                     "backend='process_group'"):
+            assert part in message, (part, message)
+        assert not r["hook_kept"], r
+        assert r["trained"], r
 
 
 # -- layering -------------------------------------------------------------------------------------

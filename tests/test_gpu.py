@@ -254,3 +254,67 @@ def test_nccl_watchdog_timeout_aborts_and_names_the_bucket(nccl_world_of_one):
     while not done.query() and time.monotonic() < deadline:  # the spinning kernel ends
         time.sleep(0.1)
     assert done.query(), "the GPU drains after the abort"
+
+
+# -- issue 21 item 3: one NCCL communicator ---------------------------------------------------------
+
+def _sync_bn_model():
+    torch.manual_seed(0)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 10))).cuda()
+
+
+def test_syncbatchnorm_under_auto_uses_the_process_group_and_explicit_nccl_raises(
+        nccl_world_of_one):
+    """SyncBatchNorm all-reduces on the process group's NCCL communicator: under backend='auto'
+    the buckets go through that group too (one communicator, as DDP) and train like DDP; an
+    explicit backend='nccl' raises at construction naming the module and the fix. A model
+    without SyncBatchNorm still gets the NCCL transport. See Note [One NCCL communicator]."""
+    ours = fused_reducer.FusedReducer(_sync_bn_model())
+    assert ours.backend == "process_group"
+    assert ours.stats()["transport"].startswith("process_group"), ours.stats()["transport"]
+    ddp = DDP(_sync_bn_model(), device_ids=[0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8, device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(step))
+        for model, opt in zip((ours, ddp), opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(ours.module.state_dict().values(), ddp.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fused_reducer.FusedReducerError,
+                       match=r"backend='nccl'.*SyncBatchNorm '1'.*deadlock.*"
+                             r"backend='process_group'"):
+        fused_reducer.FusedReducer(_sync_bn_model(), backend="nccl")
+    plain = fused_reducer.FusedReducer(_model())
+    assert plain.backend == "nccl"
+    for model in (ours, plain):
+        model.close()
+
+
+def test_comm_hook_needs_the_process_group_transport_on_nccl(nccl_world_of_one):
+    """A comm hook runs on the process group's communicator: refused on the NCCL transport
+    (which 'auto' picks) naming backend='process_group'; with that backend it matches DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    on_nccl = fused_reducer.FusedReducer(_model())
+    assert on_nccl.backend == "nccl"
+    with pytest.raises(fused_reducer.FusedReducerError,
+                       match=r"allreduce_hook.*deadlock.*backend='process_group'"):
+        on_nccl.register_comm_hook(None, default_hooks.allreduce_hook)
+    on_nccl.close()
+    ours = fused_reducer.FusedReducer(_model(), backend="process_group")
+    ours.register_comm_hook(None, default_hooks.allreduce_hook)
+    ddp = DDP(_model(), device_ids=[0])
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    for step in range(2):
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for model in (ours, ddp):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        for a, b in zip(_grads(ours.module), _grads(ddp.module)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    ours.close()
+

@@ -46,10 +46,11 @@ class FusedReducer(nn.Module, Joinable):
 
     Like every torch.distributed API, construction, the setters and ``rebuild_buckets()`` are
     collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
-    how buckets move: "auto" (NCCL for CUDA parameters; for CPU parameters shared memory when
-    every rank is on one host, else the process group), "nccl", "shm", "process_group"; the
-    ``backend`` attribute then names the one in use. ``timeout`` bounds every wait on a
-    collective, after which the step raises naming the bucket.
+    how buckets move: "auto" (NCCL for CUDA parameters, but the process group for a model with
+    SyncBatchNorm on an NCCL group, see Note [One NCCL communicator]; for CPU parameters shared
+    memory when every rank is on one host, else the process group), "nccl", "shm",
+    "process_group"; the ``backend`` attribute then names the one in use. ``timeout`` bounds
+    every wait on a collective, after which the step raises naming the bucket.
 
     ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
     their own (see ``last_bucket_bytes``). ``autotune=True`` starts ``autotune()`` at once: the
@@ -141,6 +142,11 @@ class FusedReducer(nn.Module, Joinable):
     def _attach(self, params):
         """The collective part of construction: check the model across ranks, broadcast rank 0's
         parameters and buffers, join the transport, build the C++ reducer (hooks installed)."""
+        # Before any collective, so every rank refuses alike: see Note [One NCCL communicator].
+        request = _one_communicator_backend(getattr(self, "_backend_request", self.backend),
+                                            self.device, self.module, self.process_group,
+                                            self._comm_hook is not None)
+        self.backend = resolve_backend(request, self.device)
         nccl_group = dist.get_backend(self.process_group) == "nccl"
         if self.device.type == "cuda" and (nccl_group or self.backend == "nccl"):
             check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
@@ -153,8 +159,7 @@ class FusedReducer(nn.Module, Joinable):
             buffers = list(self.module.buffers()) if self._init_sync_buffers else []
             self._broadcast(params + buffers, 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
-        self._transport = make_transport(self.process_group, self.device,
-                                         getattr(self, "_backend_request", self.backend),
+        self._transport = make_transport(self.process_group, self.device, request,
                                          self._timeout_s, check_devices=False)
         self.backend = backend_of(self._transport)  # 'auto' on CPU may have fallen back
         caps, last_bytes = self._limits
@@ -349,12 +354,32 @@ class FusedReducer(nn.Module, Joinable):
         all-reduce. As in DDP it can be registered once, on every rank; the bucket a hook sees is
         a GradBucket (index(), buffer(), gradients(), parameters(), is_last(), set_buffer()).
         With a reduce_dtype the bucket (buffer and gradients) holds that dtype; the hook's result
-        is cast back into param.grad in the gradient's dtype."""
+        is cast back into param.grad in the gradient's dtype.
+
+        Over an NCCL process group the model must reduce through that group
+        (``backend="process_group"``, DDP's arrangement: one communicator): with FusedReducer's
+        own NCCL communicator in use (``backend="nccl"``, which "auto" picks on CUDA) this raises
+        FusedReducerError naming the fix. See Note [One NCCL communicator]."""
         check_hook(hook)
         if self._comm_hook is not None:
             raise FusedReducerError(
                 "FusedReducer: register_comm_hook can only be called once (as in DDP); "
                 f"a hook ({_name_of(self._comm_hook[1])}) is already registered")
+        if self.backend == "nccl" and _runs_nccl(self.process_group):
+            chosen = (" (chosen by backend='auto')"
+                      if getattr(self, "_backend_request", "nccl") == "auto" else "")
+            raise FusedReducerError(
+                f"FusedReducer: cannot register communication hook {_name_of(hook)}: this model "
+                f"reduces its buckets over FusedReducer's own NCCL communicator "
+                f"(backend='nccl'{chosen}), while the hook's collectives run on the process "
+                "group's NCCL communicator, and the reducer's communicator still runs "
+                "collectives of its own (the used-parameter map of find_unused_parameters, "
+                "join, autotune's probe). NCCL collectives on two communicators of one device "
+                "can deadlock; DDP runs its hooks on its one communicator. Fix: construct the "
+                "model with backend='process_group' (FusedReducer(module, "
+                "backend='process_group', ...), or FusedReducerStrategy(backend="
+                "'process_group') under Lightning), then register the hook: everything then "
+                "runs on the process group's communicator, as under DDP.")
         self._comm_hook = (state, hook)
         self._reducer.set_comm_hook(_comm_hook_launcher(self))
 
@@ -712,6 +737,69 @@ def _resolve_group(process_group):
             "torch.distributed.init_process_group(backend=...) first (torchrun provides the "
             "rendezvous environment), or pass process_group=")
     return dist.group.WORLD
+
+
+# Note [One NCCL communicator]
+# NCCL documents that collectives running concurrently on two communicators of the same devices
+# can deadlock (each may grab the GPU's resources the other needs). FusedReducer's own NCCL
+# communicator (backend="nccl") is therefore only used where nothing else of the step issues
+# collectives on another NCCL communicator of this device while backward runs:
+# * SyncBatchNorm all-reduces its statistics during forward and backward on its process group,
+#   concurrently with the bucket all-reduces. Under backend="auto" a model containing a
+#   torch.nn.SyncBatchNorm whose group runs NCCL reduces buckets through the process group
+#   instead (DDP's arrangement: one communicator; model.backend says "process_group"); an
+#   explicit backend="nccl" raises at construction naming the module and the fix.
+# * A communication hook issues its collectives on the process group, while the reducer's own
+#   communicator still runs collectives (find_unused_parameters's used map, join, autotune's
+#   probe). Hooks are registered after construction, when the transport is already chosen, so
+#   with the NCCL transport over an NCCL group register_comm_hook raises naming the fix
+#   (backend="process_group"). After unpickling, a model with a hook re-attaches to the
+#   process group transport under "auto" like a SyncBatchNorm model.
+# The library's own control collectives on the process group (layout and buffer broadcasts, the
+# checks) never overlap the buckets: see "Two communicators" in ext/nccl_transport.h.
+
+
+def _runs_nccl(group):
+    """Whether `group` (None: the default group) moves CUDA tensors with NCCL."""
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError, AttributeError):  # not initialised, or a stand-in group
+        return False
+
+
+def _sync_batchnorms_on_nccl(module):
+    """Qualified names of the torch.nn.SyncBatchNorm modules whose process group (their own, or
+    the default one) runs NCCL: each all-reduces on that group's communicator in backward."""
+    return [name or "(the wrapped module itself)" for name, m in module.named_modules()
+            if isinstance(m, nn.SyncBatchNorm) and _runs_nccl(m.process_group)]
+
+
+def _one_communicator_backend(request, device, module, group, has_hook=False):
+    """The backend to construct the transport with, given the user's `request`: never the
+    reducer's own NCCL communicator next to another NCCL communicator (Note [One NCCL
+    communicator]). 'auto' becomes 'process_group' then; an explicit 'nccl' raises."""
+    if resolve_backend(request, device) != "nccl":
+        return request
+    sync_bns = _sync_batchnorms_on_nccl(module)
+    hook = has_hook and _runs_nccl(group)
+    if not sync_bns and not hook:
+        return request
+    if request == "auto":
+        return "process_group"
+    if sync_bns:
+        more = f" (and {len(sync_bns) - 1} more)" if len(sync_bns) > 1 else ""
+        raise FusedReducerError(
+            f"FusedReducer: backend='nccl' cannot be used with torch.nn.SyncBatchNorm "
+            f"'{sync_bns[0]}'{more}: SyncBatchNorm all-reduces its statistics in backward on "
+            "the process group's NCCL communicator while the buckets would go over "
+            "FusedReducer's own NCCL communicator, and NCCL collectives on two communicators of "
+            "one device can deadlock (DDP uses one communicator). Use backend='process_group' "
+            "or backend='auto' (which picks the process group for a model with SyncBatchNorm).")
+    raise FusedReducerError(
+        "FusedReducer: backend='nccl' cannot be used with a registered communication hook: the "
+        "hook's collectives run on the process group's NCCL communicator, and NCCL collectives "
+        "on two communicators of one device can deadlock (DDP uses one communicator). Use "
+        "backend='process_group' or backend='auto'.")
 
 
 def _control_device(nccl_group, device):
