@@ -244,6 +244,21 @@ bool NcclComm::close(std::chrono::milliseconds deadline) {
   return true;
 }
 
+std::string capture_refusal(cudaStreamCaptureStatus status, int device) {
+  if (status == cudaStreamCaptureStatusNone) {
+    return "";
+  }
+  return std::string("FusedReducer: the gradient all-reduce on cuda:") + std::to_string(device) +
+         " was reached while the current CUDA stream is " +
+         (status == cudaStreamCaptureStatusActive ? "being captured into a CUDA graph"
+                                                  : "in an invalidated CUDA graph capture") +
+         " (torch.cuda.graph, torch.cuda.make_graphed_callables or torch.compile(mode="
+         "\"reduce-overhead\")). The NCCL transport cannot run inside a capture (its collectives "
+         "are watched by polling their events, which breaks the capture). Capture only the "
+         "forward and backward of the module itself and call FusedReducer outside the graph, or "
+         "use torch.compile without mode=\"reduce-overhead\".";
+}
+
 // ---------------------------------------------------------------------------
 // Watchdog
 // ---------------------------------------------------------------------------
@@ -330,6 +345,11 @@ void Watchdog::run() {
     wake_.wait(lock, [this] { return stop_; });
     return;
   }
+  // See Note [No NCCL collective under graph capture]: this thread's event queries must not
+  // invalidate a capture another thread runs (in torch's default, global mode). Best effort: it
+  // cannot fail once the device is selected.
+  cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&relaxed);
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     if (in_flight_.empty()) {

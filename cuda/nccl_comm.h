@@ -26,6 +26,17 @@ namespace fused_reducer::cuda {
 std::string nccl_unique_id();
 int nccl_version();
 
+// Note [No NCCL collective under graph capture]
+// A collective launched while its stream is being captured (torch.cuda.graph, torch.compile's
+// "reduce-overhead" mode) would be recorded, not run, and its completion event polled by the
+// watchdog (cudaEventQuery) and by completed(): a query on a capturing stream's event invalidates
+// the capture, and the watchdog would then abort the communicator for a collective that never ran.
+// So the transport refuses to launch or poll under capture, with this message (empty when
+// `status` is cudaStreamCaptureStatusNone). The watchdog thread itself runs in relaxed capture
+// mode, so that its queries of collectives launched before a capture began (on another stream)
+// do not invalidate it.
+std::string capture_refusal(cudaStreamCaptureStatus status, int device);
+
 // The NCCL entry points NcclComm calls on its communicator: the real library
 // by default; a test passes fakes (tests/cpp/test_cuda_core.cpp checks the lock
 // discipline of Note [Who may touch the communicator] without a GPU).

@@ -303,16 +303,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef FUSED_REDUCER_WITH_CUDA
   py::class_<fused_reducer::NcclTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::NcclTransport>>(m, "NcclTransport")
-      // std::string, not py::bytes: arguments are converted with the GIL held,
-      // the body runs without it (NCCL init waits for the peers).
+      // NCCL init waits for the peers, so it runs without the GIL; released inside the factory,
+      // not by call_guard on py::init, because pybind11 registers the new instance (Python
+      // objects) after the factory returns, and that needs the GIL.
       .def(py::init([](const std::string& unique_id, int rank, int world_size, int device,
                        double timeout_seconds) {
-             return std::make_shared<fused_reducer::NcclTransport>(
-                 unique_id, rank, world_size, device,
-                 fused_reducer::shm::timeout_from_seconds(timeout_seconds));
+             const auto timeout = fused_reducer::shm::timeout_from_seconds(timeout_seconds);
+             py::gil_scoped_release no_gil;
+             return std::make_shared<fused_reducer::NcclTransport>(unique_id, rank, world_size,
+                                                                   device, timeout);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
-           py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>());
+           py::arg("timeout_seconds"));
   m.def("nccl_unique_id", [] { return py::bytes(fused_reducer::nccl_unique_id()); });
   info["cuda"] = true;
   info["nccl_version"] = fused_reducer::nccl_version();

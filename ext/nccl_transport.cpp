@@ -35,6 +35,14 @@ std::shared_ptr<cudaEvent_t> make_event() {
   });
 }
 
+// Raises the refusal of Note [No NCCL collective under graph capture] (cuda/nccl_comm.h).
+void refuse_under_capture(cudaStream_t stream, int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FR_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  const std::string refusal = cuda::capture_refusal(status, device);
+  TORCH_CHECK(refusal.empty(), refusal);
+}
+
 // See Note [NCCL without host stalls].
 class PendingNccl : public PendingCollective {
  public:
@@ -47,7 +55,16 @@ class PendingNccl : public PendingCollective {
     const auto current = c10::cuda::getCurrentCUDAStream(device_);
     FR_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), *done_, 0));
   }
-  bool completed() override { return cudaEventQuery(*done_) == cudaSuccess; }
+  bool completed() override {
+    // A query from a capturing stream's thread would invalidate the capture: then simply "not yet".
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const auto current = c10::cuda::getCurrentCUDAStream(device_);
+    if (cudaStreamIsCapturing(current.stream(), &status) != cudaSuccess ||
+        status != cudaStreamCaptureStatusNone) {
+      return false;
+    }
+    return cudaEventQuery(*done_) == cudaSuccess;
+  }
 
  private:
   std::shared_ptr<cuda::Watchdog> watchdog_;
@@ -111,6 +128,7 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, nc
   c10::cuda::CUDAGuard guard(device_);
   // The bucket was filled on the current stream: the all-reduce waits for it on the GPU.
   const auto current = c10::cuda::getCurrentCUDAStream(device_);
+  refuse_under_capture(current.stream(), device_);
   auto filled = make_event();
   FR_CUDA_CHECK(cudaEventRecord(*filled, current.stream()));
   FR_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), *filled, 0));

@@ -422,6 +422,7 @@ int64_t Reducer::gradient_divisor() const {
 // one fused copy per bucket. See Note [Bucket copies].
 void Reducer::pack_bucket(Bucket& bucket) {
   wait_for_gradient_streams(bucket);
+  note_copy_stream(bucket);
   const double scale = gradient_scale();
   std::vector<CopyJob> jobs;
   jobs.reserve(bucket.params.size());
@@ -463,6 +464,38 @@ void Reducer::wait_for_gradient_streams(const Bucket& bucket) {
   }
 }
 
+// Note [Releasing GPU buckets]
+// A GPU bucket is allocated on the stream current at its build, and the caching
+// allocator hands its memory out again on that stream as soon as the bucket is
+// freed (a rebuild drops the old layout). Its collective's stream is recorded
+// by the transport; but the pack and the unpack run on the hooks' and the
+// finalize's current streams, which need not be the allocation stream (a
+// backward run under torch.cuda.stream(s)). So each bucket remembers the
+// streams its copies ran on, and a rebuild records them on the old buffer
+// (record_stream), with the rebuild's own stream (it copies gradient views out
+// of it): the memory is reused only after those copies are done on the GPU.
+void Reducer::note_copy_stream(Bucket& bucket) {
+  if (bucket.flat.is_cpu()) {
+    return;  // host copies are complete when they return
+  }
+  const c10::Stream current = c10::impl::getDeviceGuardImpl(bucket.flat.device().type())
+                                  ->getStream(bucket.flat.device());
+  if (std::find(bucket.copy_streams.begin(), bucket.copy_streams.end(), current) ==
+      bucket.copy_streams.end()) {
+    bucket.copy_streams.push_back(current);
+  }
+}
+
+void Reducer::release_after_copies(Bucket& bucket) {
+  if (!bucket.flat.defined() || bucket.flat.is_cpu()) {
+    return;
+  }
+  note_copy_stream(bucket);  // the rebuild's stream
+  for (const c10::Stream& stream : bucket.copy_streams) {
+    bucket.flat.record_stream(stream);
+  }
+}
+
 // The copy that puts the gradient of the parameter in `slot` into the bucket.
 void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs) {
   at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
@@ -491,6 +524,7 @@ void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vecto
 // parameters `keep(index)` accepts get a gradient (find_unused_parameters).
 template <typename Keep>
 void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
+  note_copy_stream(bucket);
   std::vector<CopyJob> jobs;
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const int64_t index = bucket.params[slot];
@@ -553,6 +587,46 @@ void Reducer::check_skipped_still_unused(const int32_t* globally_used) {
   }
 }
 
+// Note [Used map on the GPU]
+// find_unused_parameters: which parameters any rank used decides which get a
+// gradient, so the host must read the all-reduced map: one host wait per step
+// (DDP waits here too). That wait must be the only one, and as short as the
+// map allows: the map crosses through a pinned host buffer with non-blocking
+// copies (a pageable host-to-device copy makes the host wait for the current
+// stream first), and the host waits on an event recorded after the copy back,
+// not with .cpu(). The buffer is reused: the host rewrites it only after the
+// event of the step before. On CPU the map is reduced in place.
+at::Tensor Reducer::allreduce_used_map() {
+  const int64_t count = static_cast<int64_t>(params_.size());
+  const c10::Device device = params_.front().device();
+  if (!used_host_.defined()) {
+    used_host_ = at::empty({count}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
+  }
+  std::copy(locally_used_.begin(), locally_used_.end(), used_host_.data_ptr<int32_t>());
+  // A new device map each step: joined_used_map() hands the last one to join().
+  at::Tensor used = device.is_cpu() ? used_host_.clone()
+                                    : used_host_.to(device, /*non_blocking=*/true);
+  auto pending = transport_->allreduce_sum(used);
+  launched_this_step_ += 1;
+  launched_bytes_this_step_ += used.numel() * used.element_size();
+  try {
+    pending->wait(options_.timeout);
+  } catch (const std::exception& e) {
+    wait_for_launched_quietly();
+    TORCH_CHECK(false, "FusedReducer: all-reduce of the used-parameter map (find_unused_parameters) over ",
+                transport_->name(), " failed: ", e.what(), ". A peer rank may have died.");
+  }
+  used_map_ = used;
+  if (device.is_cpu()) {
+    return used;
+  }
+  used_host_.copy_(used, /*non_blocking=*/true);
+  c10::Event copied(device.type());
+  copied.record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+  copied.synchronize();  // the step's one host wait
+  return used_host_;
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (ready_order_.empty()) {
@@ -598,22 +672,7 @@ void Reducer::finalize_backward() {
       buckets_[bucket_of_[index]].pending -= 1;
     }
     launch_ready_buckets();
-    // Which parameters were used on any rank: only those get a gradient.
-    at::Tensor used = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
-    std::copy(locally_used_.begin(), locally_used_.end(), used.data_ptr<int32_t>());
-    used = used.to(params_.front().device());
-    auto pending = transport_->allreduce_sum(used);
-    launched_this_step_ += 1;
-    launched_bytes_this_step_ += used.numel() * used.element_size();
-    try {
-      pending->wait(options_.timeout);
-    } catch (const std::exception& e) {
-      wait_for_launched_quietly();
-      TORCH_CHECK(false, "FusedReducer: all-reduce of the used-parameter map (find_unused_parameters) over ",
-                  transport_->name(), " failed: ", e.what(), ". A peer rank may have died.");
-    }
-    globally_used = used.cpu();
-    used_map_ = used;
+    globally_used = allreduce_used_map();
   }
   TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
 
@@ -892,6 +951,9 @@ std::vector<std::vector<int64_t>> Reducer::assign(const std::vector<int64_t>& or
 }
 
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment) {
+  for (Bucket& old : buckets_) {
+    release_after_copies(old);  // Note [Releasing GPU buckets]
+  }
   if (!options_.gradient_as_bucket_view) {
     // Nothing lives in the old buckets between steps (the gradients are in param.grad): release
     // them before making the new ones, so a rebuild needs no more memory than a step. With

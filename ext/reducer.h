@@ -215,6 +215,8 @@ class Reducer {
     bool skipped = false;             // only parameters no rank uses: never reduced
     std::unique_ptr<PendingCollective> collective;
     BucketTiming timing;              // this iteration's, absolute steady-clock us
+    std::vector<c10::Stream> copy_streams;  // GPU: streams that packed or unpacked it (Note
+                                            // [Releasing GPU buckets])
   };
 
   void install_hooks();
@@ -222,6 +224,8 @@ class Reducer {
   void launch_ready_buckets();
   void pack_bucket(Bucket& bucket);
   void wait_for_gradient_streams(const Bucket& bucket);
+  static void note_copy_stream(Bucket& bucket);
+  static void release_after_copies(Bucket& bucket);
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
   void finish_bucket(size_t index, const int32_t* used, bool exposed);
@@ -292,6 +296,8 @@ class Reducer {
   // last synchronised step, no_sync() steps included (DDP's local_used_map).
   std::vector<char> locally_used_;
   at::Tensor used_map_;  // see joined_used_map()
+  at::Tensor used_host_;  // pinned on CUDA: Note [Used map on the GPU]
+  at::Tensor allreduce_used_map();  // the global map, readable on the host
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
   // Accelerator gradients: the stream each one was produced on (its hook's
   // current stream), see Note [Gradients from several streams].

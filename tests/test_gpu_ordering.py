@@ -7,6 +7,8 @@
 * Two ranks on the one GPU through backend="process_group" over gloo with CUDA tensors: every
   kernel runs with a real scale of 1/2, against DDP on the same GPU.
 * SyncBatchNorm and CUDA AMP (GradScaler) train as under DDP (world size 1 over NCCL).
+* find_unused_parameters waits for the used map once, on an event; a backward under CUDA graph
+  capture is refused with a clear error.
 Skipped without a GPU or without a CUDA build.
 """
 import subprocess
@@ -167,7 +169,10 @@ def test_syncbatchnorm_and_cuda_amp_train_as_under_ddp(nccl_world_of_one):
         return nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(
             nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
             nn.Linear(8 * 6 * 6, 10))).cuda()
-    ours = fused_reducer.FusedReducer(net(), backend="nccl")
+    # One NCCL communicator (Note [One NCCL communicator]): "auto" reduces through the process
+    # group that SyncBatchNorm uses too, as DDP does.
+    ours = fused_reducer.FusedReducer(net())
+    assert ours.backend == "process_group"
     ddp = DDP(net(), device_ids=[0])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
     scalers = [torch.amp.GradScaler("cuda") for _ in range(2)]
@@ -182,6 +187,64 @@ def test_syncbatchnorm_and_cuda_amp_train_as_under_ddp(nccl_world_of_one):
             scaler.update()
     for a, b in zip(ours.module.state_dict().values(), ddp.module.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_find_unused_waits_once_on_an_event_for_the_used_map(nccl_world_of_one):
+    """Note [Used map on the GPU]: the map goes to the GPU from pinned memory without a host
+    wait and comes back with one event wait, no stream synchronisation (a pageable copy, or
+    .cpu(), synchronises the whole stream: cudaStreamSynchronize)."""
+    ours = fused_reducer.FusedReducer(_HalfUsed().cuda(), backend="nccl",
+                                      find_unused_parameters=True)
+    ref = _HalfUsed().cuda()
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(2):  # the first step, and the one after the rebuild
+        ours.zero_grad()
+        ours(x).sum().backward()
+    ours.zero_grad()
+    loss = ours(x).sum()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        loss.backward()
+    names = [event.name for event in prof.events()]
+    assert names.count("cudaStreamSynchronize") == 0, "a stream synchronisation in backward"
+    assert "cudaDeviceSynchronize" not in names
+    assert names.count("cudaEventSynchronize") == 1, names.count("cudaEventSynchronize")
+    assert any("Pinned -> Device" in name for name in names), "the map is sent from pinned memory"
+    ref(x).sum().backward()
+    torch.testing.assert_close(ours.module.used.weight.grad, ref.used.weight.grad)
+    assert ours.module.unused.weight.grad is None
+
+
+def test_backward_under_cuda_graph_capture_is_refused_naming_the_fix(nccl_world_of_one):
+    """Note [No NCCL collective under graph capture]: a clear error, not a capture broken by the
+    watchdog's event queries and an aborted communicator."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl")
+    x = torch.randn(32, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+        for _ in range(2):
+            ours.zero_grad()
+            ours(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError) as raised:
+        with torch.cuda.graph(graph):
+            ours(x).sum().backward()
+    text = str(raised.value) + " | " + str(raised.value.__context__)
+    assert "being captured into a CUDA graph" in text and "outside the graph" in text, text
+    ours.close()
 
 
 # -- two ranks on the one GPU, gloo with CUDA tensors ------------------------------------------

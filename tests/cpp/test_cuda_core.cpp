@@ -223,6 +223,8 @@ struct FakeNccl {
   std::atomic<ncclResult_t> state{ncclSuccess};  // what ncclCommGetAsyncError reports
   std::atomic<int> in_progress_polls{0};         // ... after ncclInProgress this many times
   std::atomic<ncclResult_t> finalize_state{ncclSuccess};
+  std::atomic<bool> hold_all_reduce{false};    // ncclAllReduce does not return while set
+  std::atomic<bool> inside_all_reduce{false};
   std::chrono::microseconds call_time{100};
   const NcclComm* comm = nullptr;
 };
@@ -245,6 +247,11 @@ ncclResult_t fake_all_reduce(const void*, void*, size_t, ncclDataType_t, ncclRed
                              ncclComm_t comm, cudaStream_t) {
   Call call(comm);
   fake->all_reduces += 1;
+  fake->inside_all_reduce = true;
+  while (fake->hold_all_reduce.load()) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  fake->inside_all_reduce = false;
   return ncclInProgress;
 }
 ncclResult_t fake_get_async_error(ncclComm_t comm, ncclResult_t* state) {
@@ -364,6 +371,27 @@ void test_comm_lock_discipline() {
     expect(!comm->close(100ms), "close() after an abort releases nothing");
     expect(comm->async_error() == ncclInvalidUsage, "a released communicator reports misuse");
     expect_clean(f, "abort racing the hook thread");
+    f.comm = nullptr;
+  }
+  {  // An abort while the hook thread is inside ncclAllReduce waits for that call to return
+     // (the same lock), deterministically.
+    FakeNccl f;
+    fake = &f;
+    auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
+    f.comm = comm.get();
+    f.hold_all_reduce = true;
+    std::thread hook([&] {
+      (void)error_of([&] { comm->allreduce(nullptr, 1, ncclFloat32, ncclSum, nullptr, 10000ms); });
+    });
+    expect(eventually([&] { return f.inside_all_reduce.load(); }), "the hook is inside NCCL");
+    std::thread watchdog([&] { comm->abort(); });
+    std::this_thread::sleep_for(20ms);
+    expect(f.aborts.load() == 0, "the abort waits while ncclAllReduce runs on the communicator");
+    f.hold_all_reduce = false;
+    watchdog.join();
+    hook.join();
+    expect(f.aborts.load() == 1 && comm->aborted(), "then it aborts");
+    expect_clean(f, "abort while inside ncclAllReduce");
     f.comm = nullptr;
   }
   {  // An enqueue that never completes: the abort gets in between its polls.
@@ -603,6 +631,16 @@ int main() {
   test_comm_lock_discipline();
   test_watchdog();
 
+  {  // Note [No NCCL collective under graph capture]: the refusal names the device, why, the fix.
+    using fused_reducer::cuda::capture_refusal;
+    expect(capture_refusal(cudaStreamCaptureStatusNone, 0).empty(), "no capture, no refusal");
+    const std::string active = capture_refusal(cudaStreamCaptureStatusActive, 2);
+    expect(contains(active, "cuda:2") && contains(active, "being captured into a CUDA graph") &&
+               contains(active, "torch.cuda.graph") && contains(active, "outside the graph"),
+           "the refusal under capture names the device and the fix: " + active);
+    expect(contains(capture_refusal(cudaStreamCaptureStatusInvalidated, 0), "invalidated"),
+           "an invalidated capture is refused too");
+  }
   const std::string bad_id = error_of([] { NcclComm comm("short", 0, 1, 0, 1000ms); });
   expect(bad_id.find("unique id has 128 bytes") != std::string::npos,
          "a malformed unique id is refused naming the expected size: " + bad_id);
