@@ -437,3 +437,108 @@ def test_last_bucket_bytes_validation(outcomes):
     assert r["zero_is_off"] == 0
     assert "last_bucket_mb" in r["ctor_error"]
     assert r["ctor_last"] == MiB // 2
+
+
+# -- the step clock (issue 21 item 2): CUDA trials are timed by events, not host gaps ----------
+# In process, no process group: a stub model and one trial of the starting configuration.
+
+class _StubReducer:
+    def __init__(self):
+        self.steps = 0
+
+    def completed_steps(self):
+        return self.steps
+
+
+class _StubModel:
+    """What the tuner reads of a FusedReducer to measure a trial."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.process_group = None
+        self._reducer = _StubReducer()
+        self._control_device = torch.device("cpu")
+        self.bucket_caps_bytes = [MiB, 4 * MiB]
+        self.last_bucket_bytes = MiB
+
+
+def _one_trial_samples(monkeypatch, device, steps=3):
+    """Runs the tuner on a stub model on `device` through one trial of `steps` timed steps
+    (after the warm-up step); returns its samples (ms)."""
+    from fused_reducer import autotune
+    monkeypatch.setattr(autotune.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(autotune.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(autotune.dist, "broadcast_object_list", lambda box, **kwargs: None)
+    monkeypatch.setattr(autotune, "control_allreduce", lambda values, *args: list(values))
+    model = _StubModel(device)
+    tuner = autotune.Autotuner(model, round_steps=(steps,), min_steps=0)
+
+    def plan():  # only the incumbent: no probe, no collectives
+        tuner.incumbent = tuner.current = autotune.candidate(model.bucket_caps_bytes,
+                                                             model.last_bucket_bytes)
+        tuner.plan = [{"candidate": list(tuner.incumbent), "predicted_ms": 0.0,
+                       "predicted_contended_ms": 0.0, "buckets": 2}]
+        tuner.alive, tuner.queue = [tuner.incumbent], [tuner.incumbent]
+        tuner.samples = {tuner.incumbent: []}
+
+    monkeypatch.setattr(tuner, "_make_plan", plan)
+    tuner.on_forward()  # plans, starts the trial
+    for _ in range(1 + steps):  # the warm-up step, then the timed ones
+        model._reducer.steps += 1  # a backward completed
+        tuner.on_forward()
+    assert tuner.state == "done"
+    return tuner.report()["trials"][0]["samples_ms"]
+
+
+def test_step_clock_follows_the_device():
+    from fused_reducer import autotune
+    assert isinstance(autotune.step_clock(torch.device("cpu")), autotune.HostClock)
+    assert isinstance(autotune.step_clock("cuda:1"), autotune.CudaClock)
+    assert autotune.step_clock("cuda:1").device == torch.device("cuda", 1)
+
+
+def test_cpu_trials_are_timed_by_the_host_clock(monkeypatch):
+    from fused_reducer import autotune
+    ticks = iter([0.0, 1.0, 3.0, 6.0, 10.0])  # forwards at these host times (s)
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: next(ticks))
+    assert _one_trial_samples(monkeypatch, "cpu") == [2000.0, 3000.0, 4000.0]
+
+
+def test_cuda_trials_are_timed_by_events_on_the_current_stream(monkeypatch):
+    """Each forward records an event on the model's current stream (no host sync); the trial's
+    samples are the events' elapsed times, read at its end after the later event is done. Host
+    gaps between forwards (perf_counter) must not be the measure."""
+    from fused_reducer import autotune
+    calls = []
+
+    class FakeEvent:
+        count = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing, "a timing event"
+            self.gpu_ms = 5.0 * FakeEvent.count ** 2  # when the GPU reaches it
+            self.done = False
+            FakeEvent.count += 1
+
+        def record(self, stream=None):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+            self.done = True
+
+        def elapsed_time(self, end):
+            assert end.done, "read only once the later event is done"
+            calls.append(("elapsed_time",))
+            return end.gpu_ms - self.gpu_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: 0.0)  # host gaps: all zero
+    samples = _one_trial_samples(monkeypatch, "cuda:0")
+    assert samples == [15.0, 25.0, 35.0], samples  # events 1-2, 2-3, 3-4 (0-1: the warm-up)
+    records = [c for c in calls if c[0] == "record"]
+    assert records == [("record", ("stream of", torch.device("cuda", 0)))] * 5
+    first_sync = calls.index(("synchronize",))
+    assert all(c[0] == "record" for c in calls[:first_sync]), "no host sync while stepping"
+    assert calls[first_sync:] == [("synchronize",), ("elapsed_time",)] * 3

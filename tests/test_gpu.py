@@ -318,3 +318,64 @@ def test_comm_hook_needs_the_process_group_transport_on_nccl(nccl_world_of_one):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     ours.close()
 
+
+# -- issue 21 item 2: no host stall per bucket; autotune times CUDA trials on the GPU --------------
+
+class _GpuBound(nn.Module):
+    """_model() behind a kernel that spins `cycles`: a step of GPU time the host enqueues at once."""
+
+    def __init__(self, cycles):
+        super().__init__()
+        self.net = _model()
+        self.cycles = cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return self.net(x)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "process_group"])
+def test_autotune_times_cuda_trials_with_events_on_the_gpu(nccl_world_of_one, backend):
+    """Each step spins the GPU for ~30 ms while the host enqueues it in a few ms and runs ahead
+    (no host stall per bucket, over the process group too: Note [Process-group work without host
+    stalls]). Host gaps between forwards would then read a few ms; the trial times must read the
+    GPU's step, as the CUDA events do: about 30 ms each."""
+    gpu_ms = 30.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(10_000_000 * gpu_ms / max(start.elapsed_time(end), 1e-3))
+    model = fused_reducer.FusedReducer(_GpuBound(cycles), backend=backend, bucket_cap_mb=0.01,
+                                       first_bucket_mb=0.005)
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    for _ in range(3):  # communicators, kernels, allocator
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        step()
+    host_ms = (time.perf_counter() - started) * 1e3 / 5
+    torch.cuda.synchronize()
+    assert host_ms < gpu_ms / 2, (
+        f"the host waited for the GPU within a step over {backend} ({host_ms:.1f} ms per step "
+        f"for {gpu_ms} ms of GPU work)")
+    model.autotune(max_candidates=2, round_steps=(3,), min_steps=1)
+    for _ in range(40):
+        step()
+        if model.autotune_report()["done"]:
+            break
+    torch.cuda.synchronize()
+    report = model.autotune_report()
+    assert report["done"], report
+    samples = [s for trial in report["trials"] for s in trial["samples_ms"]]
+    assert samples, report
+    assert all(0.8 * gpu_ms <= s <= 2 * gpu_ms for s in samples), (
+        f"trial step times {samples} ms should read the GPU's ~{gpu_ms} ms step "
+        f"(host gaps: {host_ms:.1f} ms)")

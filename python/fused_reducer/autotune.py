@@ -18,7 +18,8 @@ here runs per parameter. docs/TUNING.md describes it for users.
    `max_candidates`. Rank 0 broadcasts this plan.
 4. Measure with successive halving: each round sets a candidate's limits at a forward (a safe
    point: gradients stay exact), discards one warm-up step (it contains the rebuild), then times
-   `round_steps[r]` steps, forward to forward. Per step the slowest rank counts (one small MAX
+   `round_steps[r]` steps, forward to forward (step_clock: on CUDA, by events on the current
+   stream, read at the trial's end). Per step the slowest rank counts (one small MAX
    all-reduce per trial). After each round the better half of the challengers stays (median
    step time over all their samples); the incumbent always stays, as the reference.
 5. Decide (rank 0, broadcast): the fastest survivor, unless it does not beat the incumbent by
@@ -33,6 +34,7 @@ import statistics
 import time
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from .costmodel import CostModel, ParamInfo, candidate, candidate_grid, caps_of, limits_json
@@ -46,6 +48,44 @@ _INVALID = 1e30  # a step that cannot be timed (no backward between two forwards
 
 def _finite(x):
     return x if x is not None and math.isfinite(x) else None
+
+
+class HostClock:
+    """Step times of a CPU model: the host does the work, so forward to forward on the host's
+    clock is the step."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end):
+        return (end - start) * 1e3
+
+
+class CudaClock:
+    """Step times of a CUDA model, from events recorded on the current stream at each forward.
+
+    The host runs ahead of the GPU (and a trial's rebuild drains it first), so host gaps between
+    forwards are mostly enqueue time; the events measure the step where it runs. They are read
+    only at the end of a trial (elapsed_ms waits for the later one): one host sync per trial, where
+    the tuner's MAX all-reduce syncs anyway."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, start, end):
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def step_clock(device):
+    """The clock that times training steps of a model on `device` (see HostClock, CudaClock)."""
+    device = torch.device(device)
+    return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
 class Autotuner:
@@ -88,6 +128,7 @@ class Autotuner:
         self.explicit = None if candidates is None else [tuple(int(v) for v in c) for c in candidates]
         self.min_steps = int(min_steps)
         self.group = model.process_group
+        self.clock = step_clock(model.device)
         self.rank = dist.get_rank(self.group)
         self.hint = []
         if planner_hint is not None:
@@ -102,8 +143,8 @@ class Autotuner:
         self.queue = []              # candidates still to measure in this round
         self.current = None          # candidate whose layout is in force
         self.to_skip = 0
-        self.pending = []            # this trial's samples (per rank, before the MAX)
-        self.last_forward = None
+        self.pending = []            # this trial's steps: (start, end) marks, None if untimed
+        self.last_forward = None     # the clock's mark at the last forward
         self.last_completed = None
         self.incumbent = None
         self.choice = None
@@ -114,7 +155,7 @@ class Autotuner:
     def on_forward(self):
         if self.state == "done":
             return
-        now = time.perf_counter()
+        now = self.clock.mark()
         completed = self.model._reducer.completed_steps()
         if self.state == "waiting":
             if completed >= self.min_steps:
@@ -125,7 +166,7 @@ class Autotuner:
                 self.steps_used = 1
             return
         # state == "measuring": the interval since the last forward was one step of `current`.
-        sample = (now - self.last_forward) * 1e3 if completed == self.last_completed + 1 else _INVALID
+        sample = (self.last_forward, now) if completed == self.last_completed + 1 else None
         self.last_forward, self.last_completed = now, completed
         if self.to_skip > 0:
             self.to_skip -= 1
@@ -243,7 +284,9 @@ class Autotuner:
         self.pending = []
 
     def _finish_trial(self):
-        agreed = control_allreduce(self.pending, dist.ReduceOp.MAX, self.group,
+        # Read only now (on CUDA this waits for the trial's last event), per rank before the MAX.
+        times = [_INVALID if s is None else self.clock.elapsed_ms(*s) for s in self.pending]
+        agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,
                                    self.model._control_device)
         valid = [t for t in agreed if t < _INVALID / 2]
         self.samples[self.current].extend(valid)

@@ -1,14 +1,120 @@
 // C++ tests of the torch-side core that need no process group: the bucket copy
-// (Note [Bucket copies]) against plain ATen arithmetic.
+// (Note [Bucket copies]) against plain ATen arithmetic, and how a process-group collective is
+// waited (Note [Process-group work without host stalls]) with a fake c10d::Work.
 #include <ATen/ATen.h>
 
 #include <cstdlib>
 #include <iostream>
+#include <string>
+#include <thread>
 
 #include "bucket_copy.h"
+#include "process_group_transport.h"
+
+namespace {
+
+using std::chrono::milliseconds;
+
+// Records the timeouts it is waited with; completes when told to.
+class FakeWork : public c10d::Work {
+ public:
+  bool done = false;
+  std::vector<milliseconds> waits;
+  bool isCompleted() override { return done; }
+  bool wait(milliseconds timeout) override {
+    waits.push_back(timeout);
+    return true;
+  }
+};
+
+// The error message `call` raises, or "" if it returns.
+template <typename F>
+std::string error_of(F call) {
+  try {
+    call();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+int check_process_group_waits() {
+  using fused_reducer::PendingWork;
+  using fused_reducer::WorkDeadlines;
+  int failures = 0;
+  auto fail = [&](const std::string& what) {
+    std::cerr << "FAILED: " << what << "\n";
+    ++failures;
+  };
+  if (!fused_reducer::stream_ordered_wait(c10::DeviceType::CUDA, "nccl") ||
+      fused_reducer::stream_ordered_wait(c10::DeviceType::CPU, "gloo") ||
+      fused_reducer::stream_ordered_wait(c10::DeviceType::CUDA, "gloo")) {
+    fail("only NCCL work on CUDA tensors is waited stream-ordered");
+  }
+
+  // CPU work (gloo): the host blocks in wait, bounded by the timeout.
+  auto deadlines = std::make_shared<WorkDeadlines>();
+  auto cpu = c10::make_intrusive<FakeWork>();
+  PendingWork(cpu, false, "all-reduce #1", deadlines).wait(milliseconds(1234));
+  if (cpu->waits != std::vector<milliseconds>{milliseconds(1234)}) {
+    fail("CPU work is waited with the reducer's timeout");
+  }
+
+  // Stream-ordered work: waited with kNoTimeout (the host does not block), no error before
+  // its deadline even though it has not completed.
+  auto gpu = c10::make_intrusive<FakeWork>();
+  PendingWork(gpu, true, "all-reduce of bucket 0", deadlines).wait(milliseconds(60000));
+  if (gpu->waits != std::vector<milliseconds>{::kNoTimeout}) {
+    fail("stream-ordered work is waited with kNoTimeout");
+  }
+  if (!error_of([&] { deadlines->check(); }).empty()) {
+    fail("no error for uncompleted work before its deadline");
+  }
+
+  // Past its deadline and still not completed: the next call raises, naming it and the timeout.
+  auto late = c10::make_intrusive<FakeWork>();
+  PendingWork(late, true, "all-reduce of bucket 3", deadlines).wait(milliseconds(30));
+  if (!error_of([&] { deadlines->check(); }).empty()) {
+    fail("no error right after the wait, before the deadline");
+  }
+  std::this_thread::sleep_for(milliseconds(80));
+  const std::string message = error_of([&] { deadlines->check(); });
+  if (message.find("all-reduce of bucket 3 did not complete within 30 ms") == std::string::npos) {
+    fail("an uncompleted stream-ordered work past its deadline raises; got '" + message + "'");
+  }
+  if (error_of([&] { deadlines->check(); }).empty()) {
+    fail("the overdue work is raised again by the next call");
+  }
+  // A later wait raises for it too, before making its stream wait.
+  auto next = c10::make_intrusive<FakeWork>();
+  PendingWork pending(next, true, "all-reduce of bucket 4", deadlines);
+  if (error_of([&] { pending.wait(milliseconds(60000)); }).find("bucket 3 did not complete") ==
+      std::string::npos) {
+    fail("the next wait raises for the overdue work");
+  }
+  late->done = true;
+  gpu->done = true;
+  next->done = true;
+  if (!error_of([&] { deadlines->check(); }).empty()) {
+    fail("completed work is forgotten: no error once it is done");
+  }
+
+  // Waited already past its deadline: raises at once, without waiting.
+  auto stale = c10::make_intrusive<FakeWork>();
+  PendingWork old(stale, true, "all-reduce of bucket 5", deadlines);
+  std::this_thread::sleep_for(milliseconds(80));
+  if (error_of([&] { old.wait(milliseconds(30)); }).find("bucket 5 did not complete within 30 ms") ==
+          std::string::npos ||
+      !stale->waits.empty()) {
+    fail("a wait past the deadline raises instead of waiting");
+  }
+  return failures;
+}
+
+}  // namespace
 
 int main() {
-  int failures = 0;
+  int failures = check_process_group_waits();
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
     auto a = at::randn({7, 3}).to(dtype);
     auto b = at::randn({5}).to(dtype);
