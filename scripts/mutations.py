@@ -801,4 +801,51 @@ MUTATIONS = [
         why="CPU buckets taken from malloc: after limit changes the freed buckets stay resident in glibc's heap (tens of MiB more than DDP's)",
         tests=["tests/test_memory.py::test_limit_changes_leave_nothing_resident_behind"],
     ),
+    # -- issue 21: the CUDA path's second review ---------------------------------------------------
+    dict(
+        id="abort-outside-the-communicator-lock",
+        file="cuda/nccl_comm.cpp",
+        edits=[("void NcclComm::abort() {\n  std::lock_guard<std::mutex> lock(mutex_);\n  abort_locked();",
+                "void NcclComm::abort() {\n  abort_locked();")],
+        why="the watchdog aborts the communicator while the hook thread is inside ncclAllReduce or "
+            "ncclCommGetAsyncError: a use-after-free on exactly the timeout path instead of a clean error",
+        tests=["tests/test_cuda_core_fake_nccl.py::test_cuda_core_against_a_fake_nccl"],
+    ),
+    dict(
+        id="aborted-flag-set-after-the-release",
+        file="cuda/nccl_comm.cpp",
+        edits=[("  aborted_.store(true);  // before the release: see Note [Who may touch the communicator]\n"
+                "  comm_ = nullptr;\n  api_->abort(comm);",
+                "  comm_ = nullptr;\n  api_->abort(comm);\n  aborted_.store(true);")],
+        why="the aborted flag is set only after ncclCommAbort: a thread that checks it in between "
+            "calls into a released communicator",
+        tests=["tests/test_cuda_core_fake_nccl.py::test_cuda_core_against_a_fake_nccl"],
+    ),
+    dict(
+        id="watchdog-ignores-a-failed-device-selection",
+        file="cuda/nccl_comm.cpp",
+        edits=[("select_device_(comm_->device()); selected != cudaSuccess) {",
+                "select_device_(comm_->device()); false) {")],
+        why="the watchdog thread cannot select the communicator's device and goes on silently: its "
+            "event queries and abort run on the wrong device, or nothing is watched",
+        tests=["tests/test_cuda_core_fake_nccl.py::test_cuda_core_against_a_fake_nccl"],
+    ),
+    dict(
+        id="used-map-read-back-with-a-stream-sync",
+        file=REDUCER_CPP,
+        edits=[("  used_host_.copy_(used, /*non_blocking=*/true);", "  used_host_.copy_(used);")],
+        why="find_unused_parameters on CUDA reads the used map back with a blocking copy: the host "
+            "synchronises the whole stream (cudaStreamSynchronize) instead of one event. CUDA only",
+        tests=["tests/test_gpu_ordering.py::test_find_unused_waits_once_on_an_event_for_the_used_map"],
+        gpu=True,
+    ),
+    dict(
+        id="nccl-collective-launched-under-capture",
+        file="ext/nccl_transport.cpp",
+        edits=[("  refuse_under_capture(current.stream(), device_);\n", "")],
+        why="a backward under CUDA graph capture records the NCCL all-reduce into the graph; the "
+            "watchdog's event queries then break the capture and abort the communicator. CUDA only",
+        tests=["tests/test_gpu_ordering.py::test_backward_under_cuda_graph_capture_is_refused_naming_the_fix"],
+        gpu=True,
+    ),
 ]
