@@ -41,6 +41,23 @@ class Transport {
     (void)label;
     return allreduce_sum(flat);
   }
+  // Sharded mode (ShardedOptimizer): `flat` has a multiple of world_size elements and rank r
+  // owns the r-th of world_size equal shards of it. Starts an in-place sum reduce-scatter: when
+  // wait() returns, this rank's shard of `flat` holds the sum of every rank's shard r (the other
+  // shards are unspecified). The sum is the same, element for element, as allreduce_sum's.
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_sum(at::Tensor& flat,
+                                                                const std::string& label) {
+    (void)flat;
+    (void)label;
+    TORCH_CHECK(false, "FusedReducer: the ", name(), " transport has no reduce-scatter");
+  }
+  // Starts an in-place all-gather: when wait() returns, every shard of `flat` holds its owner's
+  // shard (each rank contributes its own shard of `flat`).
+  virtual std::unique_ptr<PendingCollective> all_gather(at::Tensor& flat, const std::string& label) {
+    (void)flat;
+    (void)label;
+    TORCH_CHECK(false, "FusedReducer: the ", name(), " transport has no all-gather");
+  }
   // Short name for stats and error messages, e.g. "process_group(gloo)".
   virtual std::string name() const = 0;
   // Raises the error of a collective that failed in the background (the NCCL
