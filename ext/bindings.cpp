@@ -216,6 +216,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("joined_used_map", &Reducer::joined_used_map,
            "find_unused_parameters: the used map a joined rank all-reduces (in place), as DDP")
       .def("bucket_numels", &Reducer::bucket_numels)
+      .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"))
+      .def("sharded", &Reducer::sharded)
+      .def("bucket_flats", &Reducer::bucket_flats)
+      .def("bucket_offsets", &Reducer::bucket_offsets)
       .def("request_rebuild", &Reducer::request_rebuild)
       .def_property("bucket_caps_bytes", &Reducer::bucket_caps_bytes,
                     &Reducer::set_bucket_caps_bytes)

@@ -362,7 +362,28 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
   BucketTiming& timing = buckets_[index].timing;
   timing.complete_us = now_us();
   timing.wait_us = exposed ? timing.complete_us - start : 0.0;
+  if (sharded_) {
+    release_local_gradients(buckets_[index]);
+    return;
+  }
   unpack_bucket(buckets_[index], [used](int64_t param) { return used == nullptr || used[param] != 0; });
+}
+
+// Note [Sharded mode]
+// With a ShardedOptimizer (python/fused_reducer/sharded.py) each bucket is
+// reduce-scattered instead of all-reduced: rank r's shard of the flat buffer
+// (the r-th of world_size equal parts; buckets are padded so that every shard
+// has the same size and starts 16-byte aligned, Note [Slot layout]) holds the
+// average of that part of the gradients, and the optimizer updates only the
+// parameters' elements in it, then all-gathers them. Nothing is unpacked into
+// param.grad: the local, unreduced gradients are released as soon as their
+// bucket is reduced (a synchronised step leaves param.grad None), so no torch
+// utility that reads param.grad can mistake them for the average. no_sync()
+// steps accumulate in param.grad as usual; the synchronised step packs the sum.
+void Reducer::release_local_gradients(Bucket& bucket) {
+  for (const int64_t index : bucket.params) {
+    params_[index].mutable_grad().reset();
+  }
 }
 
 // Buckets launch strictly in order, each as soon as it and all before it are
@@ -385,10 +406,12 @@ void Reducer::launch_ready_buckets() {
     } else {
       // Named as in wait_for_bucket's error: a background failure (the NCCL watchdog) may be
       // raised by a later call, so the transport keeps the name of the bucket that failed.
-      bucket.collective = transport_->allreduce_sum_labeled(
-          bucket.flat, c10::str("bucket ", next_to_launch_ - 1, " of ", buckets_.size(), " (",
-                                bucket.params.size(), " parameters, ", megabytes(bucket.bytes),
-                                ", first '", names_[bucket.params.front()], "')"));
+      const std::string label =
+          c10::str("bucket ", next_to_launch_ - 1, " of ", buckets_.size(), " (",
+                   bucket.params.size(), " parameters, ", megabytes(bucket.bytes), ", first '",
+                   names_[bucket.params.front()], "')");
+      bucket.collective = sharded_ ? transport_->reduce_scatter_sum(bucket.flat, label)
+                                   : transport_->allreduce_sum_labeled(bucket.flat, label);
     }
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;
@@ -972,11 +995,16 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     // See Note [Slot layout].
     const int64_t align =
         std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
-    std::vector<int64_t> offsets;
+    std::vector<int64_t>& offsets = bucket.offsets;
     int64_t numel = 0;
     for (int64_t index : bucket.params) {
       offsets.push_back(numel);
       numel += (params_[index].numel() + align - 1) / align * align;
+    }
+    if (sharded_) {
+      // Equal shards, each starting on a slot boundary: Note [Sharded mode].
+      const int64_t shard = (numel + world_size_ * align - 1) / (world_size_ * align) * align;
+      numel = shard * world_size_;
     }
     bucket.flat = allocate_flat(numel, first.options().dtype(dtype).requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
@@ -1101,7 +1129,47 @@ void Reducer::set_divide_factor(int64_t ranks) {
 
 void Reducer::set_comm_hook(CommHook hook) {
   std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!sharded_ || !hook, "FusedReducer: a communication hook replaces the all-reduce, "
+              "but a ShardedOptimizer reduce-scatters the buckets; use one or the other");
   comm_hook_ = std::move(hook);
+}
+
+void Reducer::set_sharded(bool sharded) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (sharded == sharded_) {
+    return;
+  }
+  TORCH_CHECK(!sharded || !comm_hook_, "FusedReducer: a ShardedOptimizer reduce-scatters the "
+              "buckets, but a communication hook is registered; use one or the other");
+  TORCH_CHECK(!sharded || !options_.gradient_as_bucket_view,
+              "FusedReducer: a ShardedOptimizer does not support gradient_as_bucket_view=True yet "
+              "(after a reduce-scatter only this rank's shard of a bucket holds averages); "
+              "construct the FusedReducer with gradient_as_bucket_view=False");
+  sharded_ = sharded;
+  rebuild_pending_ = true;  // the padding of the layout changes
+}
+
+bool Reducer::sharded() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sharded_;
+}
+
+std::vector<at::Tensor> Reducer::bucket_flats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> flats;
+  for (const auto& bucket : buckets_) {
+    flats.push_back(bucket.flat);
+  }
+  return flats;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_offsets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> result;
+  for (const auto& bucket : buckets_) {
+    result.push_back(bucket.offsets);
+  }
+  return result;
 }
 
 bool Reducer::has_comm_hook() const {

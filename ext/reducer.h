@@ -177,6 +177,14 @@ class Reducer {
   // divide_by_initial_world_size=False sets the number of ranks not joined.
   void set_divide_factor(int64_t ranks);
 
+  // Sharded mode (ShardedOptimizer): see Note [Sharded mode]. Takes effect, with a rebuild, at
+  // the next prepare_forward; collective in effect (every rank must set it).
+  void set_sharded(bool sharded);
+  bool sharded() const;
+  // Per bucket (launch order): the flat buffer, and each slot's element offset in it.
+  std::vector<at::Tensor> bucket_flats() const;
+  std::vector<std::vector<int64_t>> bucket_offsets() const;
+
   // Replaces the transport for every bucket from the next launch on.
   void set_comm_hook(CommHook hook);
   bool has_comm_hook() const;
@@ -210,6 +218,7 @@ class Reducer {
     at::Tensor flat;                  // the contiguous buffer the collective reduces
     std::vector<int64_t> params;      // parameter indices, in ready order
     std::vector<at::Tensor> views;    // views of `flat` shaped (and strided) like each parameter
+    std::vector<int64_t> offsets;     // element offset of each slot in `flat`
     int64_t bytes = 0;
     int64_t pending = 0;              // parameters not ready yet this iteration
     bool skipped = false;             // only parameters no rank uses: never reduced
@@ -225,6 +234,7 @@ class Reducer {
   void pack_bucket(Bucket& bucket);
   void wait_for_gradient_streams(const Bucket& bucket);
   static void note_copy_stream(Bucket& bucket);
+  void release_local_gradients(Bucket& bucket);
   static void release_after_copies(Bucket& bucket);
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
@@ -297,6 +307,7 @@ class Reducer {
   std::vector<char> locally_used_;
   at::Tensor used_map_;  // see joined_used_map()
   at::Tensor used_host_;  // pinned on CUDA: Note [Used map on the GPU]
+  bool sharded_ = false;  // Note [Sharded mode]
   at::Tensor allreduce_used_map();  // the global map, readable on the host
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
   // Accelerator gradients: the stream each one was produced on (its hook's

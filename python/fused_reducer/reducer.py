@@ -172,7 +172,10 @@ class FusedReducer(nn.Module, Joinable):
             skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
             timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,
             reduce_dtype=getattr(self, "_reduce_dtype", None))
+        self._params = params  # the reducer's parameter indices
         self._reducer.set_trace_capacity(self._trace_steps)
+        if getattr(self, "_sharded", False):
+            self._reducer.set_sharded(True)
         if self._comm_hook is not None:
             self._reducer.set_comm_hook(_comm_hook_launcher(self))
         _live_reducers.add(self)
@@ -317,7 +320,27 @@ class FusedReducer(nn.Module, Joinable):
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
+    def _reducer_params(self):
+        """The trainable parameters, in the reducer's index order."""
+        return self._params
+
+    def _use_sharded_optimizer(self):
+        """A ShardedOptimizer was constructed for this model: reduce-scatter from the next forward
+        on (Note [Sharded mode] in ext/reducer.cpp). Collective in effect: every rank constructs
+        it."""
+        if self._tuner is not None and self._tuner.state != "done":
+            raise FusedReducerError(
+                "ShardedOptimizer: autotune is still measuring with all-reduce; construct the "
+                "ShardedOptimizer first, or let autotune finish (autotune_report()['done'])")
+        self._reducer.set_sharded(True)  # raises naming what it cannot combine with
+        self._sharded = True
+
     def join_hook(self, **kwargs):
+        if getattr(self, "_sharded", False):
+            raise FusedReducerError(
+                "FusedReducer.join: uneven inputs are not supported with a ShardedOptimizer yet "
+                "(a joined rank would have to shadow reduce-scatters and all-gathers); give every "
+                "rank the same number of batches, or use a plain optimizer")
         if self._tuner is not None and self._tuner.state != "done":
             raise FusedReducerError(
                 "FusedReducer.join: autotune is still measuring; its per-step collectives cannot "

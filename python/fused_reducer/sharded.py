@@ -1,0 +1,347 @@
+"""ShardedOptimizer: each rank keeps optimizer state for, and updates, 1/world of the parameters.
+
+    model = fused_reducer.FusedReducer(module, bucket_cap_mb=25)
+    opt = fused_reducer.ShardedOptimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()   # each bucket reduce-scattered as soon as it is complete
+        opt.clip_grad_norm_(1.0)          # the global norm, summed over the shards
+        opt.step()                        # this rank's shard updated; parameters all-gathered
+        opt.zero_grad()
+
+Note [Sharded optimizer]
+The reducer's buckets are flat buffers; in sharded mode (Note [Sharded mode] in ext/reducer.cpp)
+each bucket is padded to world_size equal shards and reduce-scattered, so rank r's shard of each
+bucket holds the averaged gradients of the parameter elements laid out there. A *fragment* is
+the part of one parameter that falls into this rank's shard of its bucket: a 1-D view of the
+parameter itself (in its storage order, which is the bucket's slot order), whose gradient is the
+matching 1-D view of the bucket. The wrapped torch optimizer (`optimizer_class`) sees only this
+rank's fragments, in the user's parameter groups, so its state is 1/world of the plain
+optimizer's, and its update writes straight into the parameters. That is exact only for
+optimizers whose update is elementwise (every state tensor shaped like its parameter, no norm
+or reduction over a parameter): the list below; others are refused. After the update every
+bucket's parameters are all-gathered, so every rank holds the whole updated model.
+
+State moves with the layout: when the reducer rebuilds its buckets (after the first step, or when
+a limit changes), the fragments change. The state is consolidated into the plain optimizer's
+format under the old fragments (state_dict(), collective), and loaded under the new ones
+(load_state_dict()): the same two functions a checkpoint uses, so there is one way state moves.
+
+After a synchronised backward in sharded mode param.grad is None (the local, unreduced
+gradients are released once their bucket is reduced): the averaged gradients exist only as
+shards. Clip with ``opt.clip_grad_norm_`` (the norm over all shards); torch utilities that read
+param.grad see no gradient.
+"""
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+# Optimizers whose update of an element depends only on that element's gradient, state and the
+# group's hyperparameters (and a per-parameter step count).
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop,
+               torch.optim.Adadelta, torch.optim.Rprop)
+
+
+class ShardedOptimizerError(ValueError):
+    pass
+
+
+class _Fragment:
+    """The part [begin, end) (storage order) of parameter `index` in this rank's shard of
+    bucket `bucket`, at element `at` of the bucket's flat buffer."""
+    __slots__ = ("index", "bucket", "begin", "end", "at", "view")
+
+    def __init__(self, index, bucket, begin, end, at, param):
+        self.index, self.bucket, self.begin, self.end, self.at = index, bucket, begin, end, at
+        self.view = _storage_order(param.detach())[begin:end]
+
+
+def _storage_order(tensor):
+    """A 1-D view of a dense tensor in the order its elements sit in memory (the order of its
+    bucket slot: Note [Slot layout])."""
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Shards `optimizer_class`'s state and work across the ranks of `model` (a FusedReducer).
+    `params` as torch optimizers take them (None: every parameter of the model); `defaults` are
+    the optimizer's keyword arguments. Collective to construct; switches the reducer to
+    reduce-scatter (sharded mode) from its next forward."""
+
+    def __init__(self, model, optimizer_class, params=None, **defaults):
+        from .reducer import FusedReducer
+        if not isinstance(model, FusedReducer):
+            raise ShardedOptimizerError(
+                f"ShardedOptimizer: model must be a fused_reducer.FusedReducer, got "
+                f"{type(model).__name__}")
+        if optimizer_class not in ELEMENTWISE:
+            name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+            raise ShardedOptimizerError(
+                f"ShardedOptimizer: {name} is not supported: each rank updates only the "
+                "fragments of parameters in its shard, which is exact only for optimizers whose "
+                "update is elementwise (LBFGS, Adafactor and other factored or norm-based "
+                "updates read whole parameters). Supported: "
+                + ", ".join(c.__name__ for c in ELEMENTWISE)
+                + ". Use a plain optimizer with this model instead.")
+        if params is None:
+            params = model.module.parameters()
+        # The optimizer's own defaults for what was not given (AdamW's betas, eps, ...), so
+        # that param_groups and state_dict() are the plain optimizer's.
+        defaults = optimizer_class([torch.empty(0)], **defaults).defaults
+        super().__init__(params, defaults)
+        self.optimizer_class = optimizer_class
+        self.model = model
+        indices = {id(p): i for i, p in enumerate(model._reducer_params())}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in indices:
+                    raise ShardedOptimizerError(
+                        "ShardedOptimizer: a parameter of the given params is not a trainable "
+                        "parameter of the model wrapped by this FusedReducer")
+        self._index = indices
+        self._group_of = {indices[id(p)]: g for g, group in enumerate(self.param_groups)
+                          for p in group["params"]}
+        model._use_sharded_optimizer()
+        self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
+        self._fragments = []     # this rank's fragments, bucket by bucket
+        self._inner = None       # optimizer_class over the fragments
+        self._reduced_step = None  # the reducer's step whose gradients the fragments hold
+
+    # -- the fragments ---------------------------------------------------------------------------
+    def _current_layout(self):
+        reducer = self.model._reducer
+        numels = reducer.bucket_numels()
+        world = dist.get_world_size(self.model.process_group)
+        if not reducer.sharded() or any(n % world for n in numels):
+            return None  # sharded mode starts at the next forward
+        return (reducer.bucket_params(), reducer.bucket_offsets(), numels)
+
+    def _ensure_fragments(self):
+        """Build the fragments for the layout in force; when the layout changed, move the state
+        (Note [Sharded optimizer])."""
+        layout = self._current_layout()
+        if layout is None or layout == self._layout:
+            return
+        moved = self._plain_state() if self._inner is not None else None
+        self._build(layout)
+        if moved is not None:
+            self._distribute(moved)
+
+    def _build(self, layout):
+        bucket_params, bucket_offsets, numels = layout
+        params = self.model._reducer_params()
+        world = dist.get_world_size(self.model.process_group)
+        rank = dist.get_rank(self.model.process_group)
+        fragments = []
+        for b, (indices, offsets, numel) in enumerate(zip(*layout)):
+            shard = numel // world
+            lo, hi = rank * shard, (rank + 1) * shard
+            for index, offset in zip(indices, offsets):
+                begin, end = max(lo, offset), min(hi, offset + params[index].numel())
+                if begin < end:
+                    fragments.append(_Fragment(index, b, begin - offset, end - offset, begin,
+                                               params[index]))
+        self._layout = layout
+        self._fragments = fragments
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            options = {k: v for k, v in group.items() if k != "params"}
+            # An empty tensor first: torch optimizers refuse empty groups, and a rank may own no
+            # fragment of a group; it never has a gradient, so it is never updated.
+            mine = [torch.empty(0, device=self.model.device)]
+            mine += [f.view for f in fragments if self._group_of.get(f.index) == g]
+            groups.append(dict(options, params=mine))
+        self._inner = self.optimizer_class(groups)
+        self._reduced_step = None
+
+    # -- gradients -------------------------------------------------------------------------------
+    def _attach_gradients(self):
+        """Point each fragment's .grad at its averaged gradient in the bucket, once per
+        synchronised backward (None for parameters no rank used, as DDP leaves them)."""
+        self._ensure_fragments()
+        if self._inner is None:
+            return
+        reducer = self.model._reducer
+        step = reducer.stats()["step"]
+        if step == self._reduced_step:
+            return
+        self._reduced_step = step
+        flats = reducer.bucket_flats()
+        used = reducer.joined_used_map() if self.model.find_unused_parameters else None
+        used = used.cpu() if used is not None else None
+        params = self.model._reducer_params()
+        for f in self._fragments:
+            if used is not None and int(used[f.index]) == 0:
+                f.view.grad = None
+                continue
+            grad = flats[f.bucket][f.at:f.at + (f.end - f.begin)]
+            f.view.grad = grad if grad.dtype == params[f.index].dtype else grad.to(params[f.index].dtype)
+
+    def _gradients(self):
+        return [f.view.grad for f in self._fragments
+                if f.view.grad is not None and f.index in self._group_of]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, as under DDP:
+        the norm of all averaged gradients (summed over the shards: collective), and every shard
+        scaled by max_norm / (norm + 1e-6) when that is below 1. Returns the total norm."""
+        self._attach_gradients()
+        grads = self._gradients()
+        norm_type = float(norm_type)
+        device = self.model._control_device
+        if norm_type == float("inf"):
+            local = max((g.detach().abs().max().float() for g in grads if g.numel()),
+                        default=torch.tensor(0.0))
+            total = local.reshape(1).to(device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)
+            total = total[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+                         for g in grads), torch.tensor(0.0))
+            total = local.reshape(1).to(device)
+            dist.all_reduce(total, group=self.model.process_group)
+            total = total[0] ** (1.0 / norm_type)
+        total = total.cpu()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"ShardedOptimizer.clip_grad_norm_: the total norm of order "
+                               f"{norm_type} is non-finite, so it cannot be clipped")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.device, g.dtype))
+        return total
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._attach_gradients()
+        if self._inner is None:
+            return loss  # no synchronised backward in sharded mode yet: nothing to update
+        for mine, group in zip(self._inner.param_groups, self.param_groups):
+            for key, value in group.items():  # LR schedulers change the outer groups
+                if key != "params":
+                    mine[key] = value
+        self._inner.step()
+        self._all_gather_parameters()
+        return loss
+
+    def _all_gather_parameters(self):
+        """Every bucket's parameters from their owners: this rank's fragments (just updated)
+        into a flat buffer shaped like the bucket, all-gathered in place, then copied out."""
+        params = self.model._reducer_params()
+        bucket_params, bucket_offsets, numels = self._layout
+        transport = self.model._transport
+        flats, pending = [], []
+        for b, (indices, numel) in enumerate(zip(bucket_params, numels)):
+            flat = torch.empty(numel, dtype=params[indices[0]].dtype, device=self.model.device)
+            mine = [f for f in self._fragments if f.bucket == b]
+            _C.scaled_copy([f.view for f in mine],
+                           [flat[f.at:f.at + (f.end - f.begin)] for f in mine], 1.0)
+            flats.append(flat)
+            pending.append(transport.all_gather(flat, f"parameters of bucket {b}"))
+        for b, work in enumerate(pending):
+            work.wait(self.model._timeout_s)
+            indices, offsets = bucket_params[b], bucket_offsets[b]
+            _C.scaled_copy([flats[b][o:o + params[i].numel()] for i, o in zip(indices, offsets)],
+                           [_storage_order(params[i].detach()) for i in indices], 1.0)
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+        for f in self._fragments:
+            f.view.grad = None
+        self._reduced_step = None
+
+    # -- checkpoints: the plain optimizer's format ------------------------------------------------
+    def state_dict(self):
+        """The plain optimizer's state_dict (what optimizer_class over the same parameter groups
+        would return, e.g. under DDP): consolidated from every rank's fragments. Collective."""
+        self._ensure_fragments()
+        saved = super().state_dict()  # param_groups with parameter indices; self.state is empty
+        saved["state"] = self._plain_state() if self._inner is not None else {}
+        return saved
+
+    def load_state_dict(self, state_dict):
+        """Takes the plain optimizer's format (also one saved under DDP, at any world size);
+        each rank keeps its fragments' part of it."""
+        super().load_state_dict(state_dict)  # groups' hyperparameters; full state in self.state
+        self._ensure_fragments()
+        if self._inner is not None:
+            self._distribute_loaded()
+
+    def _plain_state(self):
+        """{plain index: {key: full tensor or value}}, from the fragments of every rank."""
+        params = self.model._reducer_params()
+        order = [self._index[id(p)] for group in self.param_groups for p in group["params"]]
+        plain_of = {index: i for i, index in enumerate(order)}
+        # What each rank holds: per parameter, its tensor keys (with dtype) and its other values.
+        local = {}
+        for f in self._fragments:
+            state = self._inner.state.get(f.view)
+            if not state:
+                continue
+            entry = local.setdefault(f.index, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    entry[key] = ("tensor", value.dtype)
+                else:
+                    entry.setdefault(key, ("value", value.cpu() if torch.is_tensor(value) else value))
+        everyone = [None] * dist.get_world_size(self.model.process_group)
+        dist.all_gather_object(everyone, local, group=self.model.process_group)
+        keys = {}
+        for theirs in everyone:
+            for index, entry in theirs.items():
+                for key, (kind, value) in entry.items():
+                    keys.setdefault(index, {}).setdefault(key, (kind, value))
+        result = {}
+        for index in sorted(keys, key=lambda i: plain_of[i]):
+            param = params[index]
+            state = {}
+            for key, (kind, value) in keys[index].items():
+                if kind == "value":
+                    state[key] = value.to(param.device) if torch.is_tensor(value) else value
+                    continue
+                full = torch.zeros_like(param, dtype=value)
+                flat = _storage_order(full)
+                for f in self._fragments:
+                    if f.index == index and key in self._inner.state.get(f.view, {}):
+                        flat[f.begin:f.end] = self._inner.state[f.view][key]
+                dist.all_reduce(full, group=self.model.process_group)  # others hold zeros there
+                state[key] = full
+            result[plain_of[index]] = state
+        return result
+
+    def _distribute(self, plain_state):
+        """Load {plain index: state} (as _plain_state returns) into the fragments."""
+        params_in_order = [p for group in self.param_groups for p in group["params"]]
+        self.state.clear()
+        for plain, state in plain_state.items():
+            self.state[params_in_order[plain]] = state
+        self._distribute_loaded()
+
+    def _distribute_loaded(self):
+        """self.state (full tensors, keyed by parameter) -> the fragments' state; then drops it."""
+        params = self.model._reducer_params()
+        for f in self._fragments:
+            full = self.state.get(params[f.index])
+            if not full:
+                continue
+            mine = {}
+            for key, value in full.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    ordered = torch.empty_like(params[f.index], dtype=value.dtype)
+                    ordered.copy_(value)
+                    mine[key] = _storage_order(ordered)[f.begin:f.end].clone()
+                else:
+                    mine[key] = value.clone() if torch.is_tensor(value) else value
+            self._inner.state[f.view] = mine
+        self.state.clear()
