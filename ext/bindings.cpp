@@ -263,6 +263,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allreduce_sum", &fused_reducer::Transport::allreduce_sum, py::arg("flat"),
            py::call_guard<py::gil_scoped_release>(),
            "Start an in-place sum all-reduce of a contiguous tensor; wait() on the result.")
+      .def("reduce_scatter_sum", &fused_reducer::Transport::reduce_scatter_sum, py::arg("flat"),
+           py::arg("label") = "", py::call_guard<py::gil_scoped_release>(),
+           "Start an in-place sum reduce-scatter of a flat tensor of world_size equal shards: "
+           "after wait(), this rank's shard (the rank-th) holds the sum of every rank's, the same "
+           "as allreduce_sum's; the other shards are unspecified. `label` names it in errors.")
+      .def("all_gather", &fused_reducer::Transport::all_gather, py::arg("flat"),
+           py::arg("label") = "", py::call_guard<py::gil_scoped_release>(),
+           "Start an in-place all-gather of a flat tensor of world_size equal shards: after "
+           "wait(), every shard holds its owner's (each rank contributes its own shard).")
       .def_property_readonly("name", &fused_reducer::Transport::name)
       .def("check", &fused_reducer::Transport::check, py::call_guard<py::gil_scoped_release>(),
            "Raise the error of a collective that failed in the background, if any.")

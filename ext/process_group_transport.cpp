@@ -88,12 +88,61 @@ std::unique_ptr<PendingCollective> ProcessGroupTransport::allreduce(at::Tensor& 
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   auto work = group_->allreduce(tensors, options);
+  return pending(std::move(work), flat, what);
+}
+
+std::unique_ptr<PendingCollective> ProcessGroupTransport::pending(
+    c10::intrusive_ptr<c10d::Work> work, const at::Tensor& flat, const std::string& what) {
   launched_ += 1;
   const auto device = flat.device().type();
   const bool stream_ordered =
       stream_ordered_wait(device, group_->getBackend(device)->getBackendName());
   return std::make_unique<PendingWork>(std::move(work), stream_ordered, what + " over " + name(),
                                        deadlines_);
+}
+
+at::Tensor ProcessGroupTransport::shardable(const at::Tensor& flat, const char* op) const {
+  const int64_t world = group_->getSize();
+  TORCH_CHECK(flat.is_contiguous(), "FusedReducer: the ", op, " over ", name(),
+              " needs a contiguous bucket; got one of sizes ", flat.sizes(), " and strides ",
+              flat.strides());
+  TORCH_CHECK(flat.numel() % world == 0, "FusedReducer: the ", op, " over ", name(),
+              " needs a bucket whose number of elements is a multiple of the world size (each of "
+              "the ", world, " ranks owns an equal shard); got ", flat.numel(), " elements (",
+              flat.numel(), " % ", world, " = ", flat.numel() % world, ")");
+  return flat.view({-1});
+}
+
+std::unique_ptr<PendingCollective> ProcessGroupTransport::reduce_scatter_sum(
+    at::Tensor& flat, const std::string& label) {
+  // See Note [Process-group reduce-scatter and all-gather].
+  deadlines_->check();
+  at::Tensor whole = shardable(flat, "reduce-scatter");
+  const std::string what =
+      label.empty() ? "reduce-scatter #" + std::to_string(launched_ + 1) : "reduce-scatter of " + label;
+  const auto device = flat.device().type();
+  if (group_->getBackend(device)->getBackendName() == "gloo") {
+    std::vector<at::Tensor> tensors{whole};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    return pending(group_->allreduce(tensors, options), flat, what);
+  }
+  const int64_t shard = whole.numel() / group_->getSize();
+  at::Tensor mine = whole.narrow(0, group_->getRank() * shard, shard);
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return pending(group_->reduce_scatter_single(mine, whole, options), flat, what);
+}
+
+std::unique_ptr<PendingCollective> ProcessGroupTransport::all_gather(at::Tensor& flat,
+                                                                     const std::string& label) {
+  deadlines_->check();
+  at::Tensor whole = shardable(flat, "all-gather");
+  const std::string what =
+      label.empty() ? "all-gather #" + std::to_string(launched_ + 1) : "all-gather of " + label;
+  const int64_t shard = whole.numel() / group_->getSize();
+  at::Tensor mine = whole.narrow(0, group_->getRank() * shard, shard);
+  return pending(group_->all_gather_single(whole, mine), flat, what);
 }
 
 std::string ProcessGroupTransport::name() const {

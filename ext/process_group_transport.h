@@ -68,17 +68,41 @@ class PendingWork : public PendingCollective {
   WorkDeadlines::Clock::time_point launched_ = WorkDeadlines::Clock::now();
 };
 
+// Note [Process-group reduce-scatter and all-gather]
+// Sharded mode (Transport::reduce_scatter_sum / all_gather) in place on the flat bucket, rank r's
+// shard being flat[r*S, (r+1)*S): reduce_scatter_single(out = that shard, in = flat) and
+// all_gather_single(out = flat, in = that shard), the forms NCCL documents as in place (its
+// recvbuff == sendbuff + rank * count) and the ones Megatron's distributed optimizer calls the
+// same way. Gloo is the exception for the reduce-scatter: ProcessGroupGloo implements
+// reduce_scatter_single as an all-reduce of a clone of the input whose shard is copied into the
+// output inside a LambdaWork::wait() that ignores its timeout (it waits for the group's own,
+// 30 minutes by default: checked on torch 2.14, a peer that never comes held wait(1 s) for the
+// group's 8 s). So on gloo the bucket is all-reduced in place instead: the same sum, bit for bit
+// (the clone's all-reduce is this all-reduce), the same bytes on the wire, no clone and no copy,
+// and wait(timeout) keeps the reducer's timeout. Gloo's all_gather_single honours wait(timeout)
+// and copies from a flat temporary of its own, so an input that aliases the output is safe.
+// Both go through PendingWork and WorkDeadlines like the all-reduce.
 class ProcessGroupTransport : public Transport {
  public:
   explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group);
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
   std::unique_ptr<PendingCollective> allreduce_sum_labeled(at::Tensor& flat,
                                                            const std::string& label) override;
+  // See Note [Process-group reduce-scatter and all-gather].
+  std::unique_ptr<PendingCollective> reduce_scatter_sum(at::Tensor& flat,
+                                                        const std::string& label) override;
+  std::unique_ptr<PendingCollective> all_gather(at::Tensor& flat,
+                                                const std::string& label) override;
   std::string name() const override;
   void check() override;
 
  private:
   std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, const std::string& what);
+  // The pending object of `work` on `flat`'s device, named `what` (+ " over <name>").
+  std::unique_ptr<PendingCollective> pending(c10::intrusive_ptr<c10d::Work> work,
+                                             const at::Tensor& flat, const std::string& what);
+  // `flat` as a 1-D tensor of world-size equal shards; raises naming the rule otherwise.
+  at::Tensor shardable(const at::Tensor& flat, const char* op) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::shared_ptr<WorkDeadlines> deadlines_ = std::make_shared<WorkDeadlines>();

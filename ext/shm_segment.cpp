@@ -285,8 +285,85 @@ void Segment::wait_for_all(uint64_t arrival, const char* phase, const WaitLimits
   }
 }
 
+std::string collective_name(int32_t code) {
+  switch (code) {
+    case static_cast<int32_t>(Collective::kAllReduce): return "all-reduce";
+    case static_cast<int32_t>(Collective::kReduceScatter): return "reduce-scatter";
+    case static_cast<int32_t>(Collective::kAllGather): return "all-gather";
+    default: return "an unknown collective (" + std::to_string(code) + ")";
+  }
+}
+
+namespace {
+
+// What the ranks' mismatched buckets are called in the error: "reduce different buckets".
+std::string verb(int32_t op) {
+  switch (op) {
+    case static_cast<int32_t>(Collective::kReduceScatter): return "reduce-scatter";
+    case static_cast<int32_t>(Collective::kAllGather): return "all-gather";
+    default: return "reduce";
+  }
+}
+
+// "an all-reduce", "a reduce-scatter", ...
+std::string with_article(int32_t op) {
+  const std::string name = collective_name(op);
+  if (name.rfind("an ", 0) == 0) return name;
+  return (name[0] == 'a' ? "an " : "a ") + name;
+}
+
+// Raises on every rank when any rank runs another collective, or the same one on another bucket.
+void check_same_bucket(Segment& segment, int rank, int32_t op, const BucketIo& bucket) {
+  for (int r = 0; r < segment.layout().world; ++r) {
+    const RankState& peer = segment.header().ranks[r];
+    const int64_t peer_numel = peer.numel.load();
+    const int32_t peer_dtype = peer.dtype.load();
+    const int32_t peer_op = peer.op.load();
+    if (peer_op != op) {
+      throw Error("ranks run different collectives: this rank (" + std::to_string(rank) +
+                  ") runs " + with_article(op) + " of " +
+                  std::to_string(bucket.check_numel) + " elements of " +
+                  bucket.dtype_name(bucket.check_dtype) + ", rank " + std::to_string(r) +
+                  " " + with_article(peer_op) + " of " + std::to_string(peer_numel) +
+                  " elements of " + bucket.dtype_name(peer_dtype) +
+                  "; every rank must start the same collectives in the same order");
+    }
+    if (peer_numel != bucket.check_numel || peer_dtype != bucket.check_dtype) {
+      throw Error("ranks " + verb(op) + " different buckets: this rank (" +
+                  std::to_string(rank) + ") has " + std::to_string(bucket.check_numel) +
+                  " elements of " + bucket.dtype_name(bucket.check_dtype) + ", rank " +
+                  std::to_string(r) + " has " + std::to_string(peer_numel) + " elements of " +
+                  bucket.dtype_name(peer_dtype) +
+                  "; the models (or their bucket settings) differ across ranks");
+    }
+  }
+}
+
+}  // namespace
+
 void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
             const WaitLimits& limits) {
+  run(segment, rank, Collective::kAllReduce, bucket, chunks_done, limits);
+}
+
+void reduce_scatter(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
+                    const WaitLimits& limits) {
+  run(segment, rank, Collective::kReduceScatter, bucket, chunks_done, limits);
+}
+
+void all_gather(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
+                const WaitLimits& limits) {
+  run(segment, rank, Collective::kAllGather, bucket, chunks_done, limits);
+}
+
+// Note [Shared-memory reduce-scatter and all-gather] (shm_transport.h) on top of the all-reduce's
+// chunk loop: every collective arrives at 2k+1 once its inputs of chunk k are in and waits for
+// every rank there (the size check of the first chunk follows that wait), so "a rank that has
+// arrived for chunk k has finished reading chunk k-2's slots" holds across collectives of any
+// kind. The all-reduce and the reduce-scatter then sum and arrive at 2k+2; the all-gather has
+// nothing to sum and arrives at 2k+2 only on its first chunk (see there why).
+void run(Segment& segment, int rank, Collective op, const BucketIo& bucket, uint64_t& chunks_done,
+         const WaitLimits& limits) {
   const Layout& layout = segment.layout();
   const int world = layout.world;
   const int64_t numel = bucket.numel;
@@ -295,32 +372,56 @@ void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks
     throw Error("element size " + std::to_string(element) + " or count " +
                 std::to_string(numel) + " out of range");
   }
+  const auto code = static_cast<int32_t>(op);
+  if (op != Collective::kAllReduce && op != Collective::kReduceScatter &&
+      op != Collective::kAllGather) {
+    throw Error(collective_name(code) + " is not a shared-memory collective");
+  }
+  const bool sharded = op != Collective::kAllReduce;
+  if (sharded && numel % world != 0) {
+    throw Error("a " + collective_name(code) + " needs a bucket whose number of elements is a "
+                "multiple of the world size (each of the " + std::to_string(world) +
+                " ranks owns an equal shard); got " + std::to_string(numel) + " elements");
+  }
+  // This rank's shard, [shard_lo, shard_hi) of the bucket.
+  const int64_t shard_lo = sharded ? rank * (numel / world) : 0;
+  const int64_t shard_hi = sharded ? shard_lo + numel / world : numel;
   RankState& me = segment.header().ranks[rank];
   me.numel.store(bucket.check_numel);
   me.dtype.store(bucket.check_dtype);
+  me.op.store(code);
   const int64_t chunk_elements = layout.chunk_bytes / element;
   std::vector<const char*> inputs(world);
   for (int64_t start = 0; start == 0 || start < numel; start += chunk_elements) {
     const int64_t len = std::min(chunk_elements, numel - start);
     const int set = static_cast<int>(chunks_done % 2);
     const uint64_t copied_in = 2 * chunks_done + 1;
-    if (len > 0) bucket.copy_in(segment.slot(set, rank), start, len);
+    char* result = segment.slot(set, world);
+    // The part of this chunk in this rank's shard: [mine_lo, mine_hi) of the bucket.
+    const int64_t mine_lo = std::max(start, shard_lo);
+    const int64_t mine_hi = std::min(start + len, shard_hi);
+    if (op == Collective::kAllGather) {
+      // Straight into the result slot: the ranks' parts are disjoint and cover the chunk.
+      if (mine_hi > mine_lo) {
+        bucket.copy_in(result + (mine_lo - start) * element, mine_lo, mine_hi - mine_lo);
+      }
+    } else if (len > 0) {
+      bucket.copy_in(segment.slot(set, rank), start, len);
+    }
     segment.arrive(rank, copied_in);
     segment.wait_for_all(copied_in, "inputs", limits);
-    if (start == 0) {
-      for (int r = 0; r < world; ++r) {
-        const RankState& peer = segment.header().ranks[r];
-        const int64_t peer_numel = peer.numel.load();
-        const int32_t peer_dtype = peer.dtype.load();
-        if (peer_numel != bucket.check_numel || peer_dtype != bucket.check_dtype) {
-          throw Error("ranks reduce different buckets: this rank (" + std::to_string(rank) +
-                      ") has " + std::to_string(bucket.check_numel) + " elements of " +
-                      bucket.dtype_name(bucket.check_dtype) + ", rank " + std::to_string(r) +
-                      " has " + std::to_string(peer_numel) + " elements of " +
-                      bucket.dtype_name(peer_dtype) +
-                      "; the models (or their bucket settings) differ across ranks");
-        }
+    if (start == 0) check_same_bucket(segment, rank, code, bucket);
+    if (op == Collective::kAllGather) {
+      if (len > 0) bucket.copy_out(result, start, len);
+      if (start == 0) {
+        // A peer that finished this (one-chunk) all-gather would otherwise publish its next
+        // bucket's size and kind while this rank still compares them for this one.
+        segment.arrive(rank, copied_in + 1);
+        segment.wait_for_all(copied_in + 1, "the size check", limits);
       }
+      ++chunks_done;
+      if (numel == 0) break;
+      continue;
     }
     // This rank's part of the chunk, cache-line aligned.
     const int64_t per_line = std::max<int64_t>(1, 64 / element);
@@ -329,7 +430,7 @@ void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks
     const int64_t hi = std::min(len, lo + part);
     if (hi > lo) {
       for (int r = 0; r < world; ++r) inputs[r] = segment.slot(set, r) + lo * element;
-      bucket.sum(segment.slot(set, world) + lo * element, inputs, hi - lo);
+      bucket.sum(result + lo * element, inputs, hi - lo);
     }
     // A cancelled bucket does not arrive: the peers must not finish a sum this rank refused.
     if (limits.cancelled != nullptr && limits.cancelled->load()) {
@@ -337,7 +438,11 @@ void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks
     }
     segment.arrive(rank, copied_in + 1);
     segment.wait_for_all(copied_in + 1, "sums", limits);
-    if (len > 0) bucket.copy_out(segment.slot(set, world), start, len);
+    if (op == Collective::kAllReduce) {
+      if (len > 0) bucket.copy_out(result, start, len);
+    } else if (mine_hi > mine_lo) {
+      bucket.copy_out(result + (mine_lo - start) * element, mine_lo, mine_hi - mine_lo);
+    }
     ++chunks_done;
     if (numel == 0) break;
   }

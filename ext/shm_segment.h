@@ -20,7 +20,7 @@
 
 namespace fused_reducer::shm {
 
-constexpr uint64_t kMagic = 0x46525f53484d3032ULL;  // "FR_SHM02"
+constexpr uint64_t kMagic = 0x46525f53484d3033ULL;  // "FR_SHM03": RankState::op
 constexpr int kMaxWorld = 64;
 constexpr int64_t kMinChunkBytes = 4096;
 constexpr int64_t kMaxChunkBytes = int64_t(1) << 30;
@@ -42,6 +42,7 @@ struct alignas(64) RankState {
   std::atomic<uint64_t> pid_namespace{0};  // inode of /proc/self/ns/pid (0: unknown)
   std::atomic<int64_t> numel{0};     // the bucket being reduced, checked equal across ranks
   std::atomic<int32_t> dtype{0};
+  std::atomic<int32_t> op{0};        // its Collective, likewise
 };
 
 // Note [Shared-memory segment trust]
@@ -146,6 +147,12 @@ class Segment {
   pid_t mapped_by_;
 };
 
+// What a rank runs on a bucket (Note [Shared-memory reduce-scatter and all-gather] in
+// shm_transport.h); compared across ranks with the bucket's size and dtype.
+enum class Collective : int32_t { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2 };
+// "all-reduce", "reduce-scatter", "all-gather", or "an unknown collective (<code>)": any int32.
+std::string collective_name(int32_t code);
+
 // One bucket as the protocol sees it: plain elements of `element_bytes`, moved in
 // and out through callbacks (the transport does that under the job's lock).
 struct BucketIo {
@@ -163,10 +170,23 @@ struct BucketIo {
 };
 
 // Sums `bucket` across the ranks, chunk by chunk (Note [Shared-memory all-reduce]
-// in shm_transport.h). `chunks_done` counts the chunks this rank has summed so
+// in shm_transport.h). `chunks_done` counts the chunks this rank has moved so
 // far (the same on every rank) and is advanced.
 void reduce(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
             const WaitLimits& limits);
+// Sharded mode (Note [Shared-memory reduce-scatter and all-gather]): bucket.numel is a
+// multiple of the world size (else Error naming both) and rank r owns elements
+// [r * numel / world, (r + 1) * numel / world). reduce_scatter() sums as reduce() does, the
+// same code over the same parts in the same order, but copies out only this rank's shard;
+// all_gather() copies in only this rank's shard (bucket.sum is not called) and copies out
+// the whole bucket.
+void reduce_scatter(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
+                    const WaitLimits& limits);
+void all_gather(Segment& segment, int rank, const BucketIo& bucket, uint64_t& chunks_done,
+                const WaitLimits& limits);
+// Any of the three.
+void run(Segment& segment, int rank, Collective op, const BucketIo& bucket, uint64_t& chunks_done,
+         const WaitLimits& limits);
 
 // out = in[0] + in[1] + ... in rank order, for plain arithmetic types. Integers
 // wrap around like torch's and gloo's sums: summed as unsigned (a signed overflow

@@ -34,9 +34,11 @@ struct ShmTransport::Runtime {
 
 // See Note [Shared-memory jobs and their buckets].
 struct ShmTransport::Job {
+  shm::Collective op = shm::Collective::kAllReduce;
   char* data = nullptr;         // the bucket: owned by the PendingShm, not by the job
   int64_t numel = 0;            // elements of `sum_dtype`
   at::ScalarType sum_dtype{};   // complex buckets are summed as (re, im) pairs of reals
+                                // (an all-gather moves elements of `dtype`: sum_dtype == dtype)
   int64_t check_numel = 0;      // the caller's count and dtype, compared across ranks
   at::ScalarType dtype{};
   pid_t owner = 0;
@@ -72,9 +74,10 @@ class PendingShm : public PendingCollective {
   bool completed() override { return job_->done.load(std::memory_order_acquire); }
 
   void wait(std::chrono::milliseconds timeout) override {
+    const std::string op = shm::collective_name(static_cast<int32_t>(job_->op));
     if (getpid() != job_->owner) {
       throw std::runtime_error(
-          "shm all-reduce waited for in a forked child (pid " + std::to_string(getpid()) +
+          "shm " + op + " waited for in a forked child (pid " + std::to_string(getpid()) +
           ") of the process that started it; only that process can reduce");
     }
     timeout = shm::clamp_timeout(timeout);
@@ -86,9 +89,10 @@ class PendingShm : public PendingCollective {
       throw std::runtime_error(
           "timed out after " + std::to_string(timeout.count()) + " ms" +
           (missing >= 0 ? " waiting for rank " + std::to_string(missing)
-                        : std::string(" (earlier all-reduces still running, or not yet started)")) +
-          "; the all-reduce was cancelled (nothing is written into the bucket any more, and "
-          "the peers' all-reduce fails too). Raise the FusedReducer's timeout if the ranks are "
+                        : " (earlier collectives still running, or this " + op +
+                              " not yet started)") +
+          "; the " + op + " was cancelled (nothing is written into the bucket any more, and "
+          "the peers' " + op + " fails too). Raise the FusedReducer's timeout if the ranks are "
           "just slow");
     }
     if (!job_->error.empty()) {
@@ -185,27 +189,54 @@ void ShmTransport::unlink() { segment_->unlink(); }
 void ShmTransport::start_peer_checks() { check_peers_ = segment_->peers_watchable(); }
 
 std::unique_ptr<PendingCollective> ShmTransport::allreduce_sum(at::Tensor& flat) {
-  TORCH_CHECK(!in_forked_child(), "FusedReducer shm transport: all-reduce in a forked child (pid ",
-              getpid(), ") of the training process; a DataLoader worker or other child cannot "
-              "take part in the parent's all-reduces");
+  return start(flat, shm::Collective::kAllReduce);
+}
+
+std::unique_ptr<PendingCollective> ShmTransport::reduce_scatter_sum(at::Tensor& flat,
+                                                                    const std::string& label) {
+  (void)label;  // errors are raised by wait(), whose caller names the bucket
+  return start(flat, shm::Collective::kReduceScatter);
+}
+
+std::unique_ptr<PendingCollective> ShmTransport::all_gather(at::Tensor& flat,
+                                                            const std::string& label) {
+  (void)label;
+  return start(flat, shm::Collective::kAllGather);
+}
+
+std::unique_ptr<PendingCollective> ShmTransport::start(at::Tensor& flat, shm::Collective op) {
+  const std::string what = shm::collective_name(static_cast<int32_t>(op));
+  TORCH_CHECK(!in_forked_child(), "FusedReducer shm transport: ", what,
+              " in a forked child (pid ", getpid(), ") of the training process; a DataLoader "
+              "worker or other child cannot take part in the parent's collectives");
   TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(),
               "FusedReducer shm transport: buckets must be contiguous CPU tensors; got ",
               flat.device(), flat.is_contiguous() ? "" : " (not contiguous)");
   TORCH_CHECK(!flat.is_conj() && !flat.is_neg(),
               "FusedReducer shm transport: the bucket is a lazily conjugated or negated view; "
               "call .resolve_conj().resolve_neg() first");
+  const bool sharded = op != shm::Collective::kAllReduce;
+  TORCH_CHECK(!sharded || flat.numel() % world_ == 0, "FusedReducer shm transport: the ", what,
+              " needs a bucket whose number of elements is a multiple of the world size (each "
+              "of the ", world_, " ranks owns an equal shard); got ", flat.numel(),
+              " elements (", flat.numel(), " % ", world_, " = ", flat.numel() % world_, ")");
   const auto dtype = flat.scalar_type();
-  const auto sum_dtype = sum_dtype_of(dtype);
+  // An all-gather only moves bytes: any dtype, element by element.
+  const auto sum_dtype = op == shm::Collective::kAllGather ? dtype : sum_dtype_of(dtype);
   const bool summable = sum_dtype == at::kFloat || sum_dtype == at::kDouble ||
                         sum_dtype == at::kHalf || sum_dtype == at::kBFloat16 ||
                         sum_dtype == at::kByte || sum_dtype == at::kChar ||
                         sum_dtype == at::kShort || sum_dtype == at::kInt || sum_dtype == at::kLong;
-  TORCH_CHECK(summable,
+  TORCH_CHECK(op == shm::Collective::kAllGather || summable,
               "FusedReducer shm transport sums floating-point, complex and integer buckets, not ",
               dtype, "; use backend='process_group'");
   // Named as the backends name theirs ("gloo:all_reduce"), so profilers count it alike.
-  RECORD_FUNCTION("shm:all_reduce", std::vector<c10::IValue>({flat}));
+  const char* event = op == shm::Collective::kAllReduce       ? "shm:all_reduce"
+                      : op == shm::Collective::kReduceScatter ? "shm:reduce_scatter"
+                                                              : "shm:all_gather";
+  RECORD_FUNCTION(event, std::vector<c10::IValue>({flat}));
   auto job = std::make_shared<Job>();
+  job->op = op;
   job->data = static_cast<char*>(flat.data_ptr());
   job->check_numel = flat.numel();
   job->dtype = dtype;
@@ -214,7 +245,7 @@ std::unique_ptr<PendingCollective> ShmTransport::allreduce_sum(at::Tensor& flat)
   job->owner = owner_pid_;
   {
     std::lock_guard<std::mutex> lock(runtime_->mutex);
-    TORCH_CHECK(!runtime_->stopping, "FusedReducer shm transport: all-reduce after close()");
+    TORCH_CHECK(!runtime_->stopping, "FusedReducer shm transport: ", what, " after close()");
     runtime_->queue.push_back(job);
   }
   runtime_->queued.notify_one();
@@ -269,9 +300,6 @@ void ShmTransport::fail(const std::string& error) {
 
 void ShmTransport::run_worker() {
   Runtime& rt = *runtime_;
-  const std::string cancelled = "an all-reduce of rank " + std::to_string(rank_) +
-                                " was cancelled (its wait timed out, or it was dropped unwaited); "
-                                "the shared-memory transport stopped";
   while (true) {
     std::shared_ptr<Job> job;
     std::string failure;
@@ -282,6 +310,11 @@ void ShmTransport::run_worker() {
       job = rt.queue.front();
       failure = rt.error;
     }
+    const std::string op = shm::collective_name(static_cast<int32_t>(job->op));
+    const std::string cancelled = std::string(job->op == shm::Collective::kAllReduce ? "an " : "a ") +
+                                  op + " of rank " + std::to_string(rank_) +
+                                  " was cancelled (its wait timed out, or it was dropped "
+                                  "unwaited); the shared-memory transport stopped";
     if (failure.empty()) {
       try {
         reduce(*job);
@@ -331,9 +364,11 @@ void ShmTransport::reduce(Job& job) {
     if (job.cancelled) throw shm::Cancelled("the bucket's wait gave up before the sum arrived");
     std::memcpy(job.data + first * element, slot, count * element);
   };
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, job.sum_dtype, "shm_sum", [&] {
-    io.sum = sum_slots<scalar_t>;
-  });
+  if (job.op != shm::Collective::kAllGather) {  // an all-gather sums nothing
+    AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, job.sum_dtype, "shm_sum", [&] {
+      io.sum = sum_slots<scalar_t>;
+    });
+  }
   {
     std::lock_guard<std::mutex> lock(job.mutex);
     if (job.cancelled) throw shm::Cancelled("the bucket was dropped or its wait gave up before it started");
@@ -344,7 +379,7 @@ void ShmTransport::reduce(Job& job) {
   limits.cancelled = &job.cancel_flag;
   limits.check_peers = check_peers_;
   limits.waiting_for = &job.waiting_for;
-  shm::reduce(*segment_, rank_, io, chunks_done_, limits);
+  shm::run(*segment_, rank_, job.op, io, chunks_done_, limits);
 }
 
 }  // namespace fused_reducer

@@ -32,6 +32,27 @@ namespace fused_reducer {
 // this protocol are torch-free (shm_segment.h); see Note [Shared-memory segment
 // trust] for what is read from the shared header and what never is.
 //
+// Note [Shared-memory reduce-scatter and all-gather]
+// The sharded mode's collectives (Transport::reduce_scatter_sum, all_gather) are the all-reduce's
+// two halves, run chunk by chunk through the same slots, worker and job machinery, on a bucket of
+// world_size equal shards (rank r owns the r-th):
+//   reduce-scatter: steps 1 and 2 as above (every rank copies its whole chunk in, and the ranks
+//     sum it with the same code, over the same parts, in the same rank order, so every element is
+//     bit-identical to the all-reduce's); in step 3 each rank copies back only the part of the
+//     result that lies in its own shard;
+//   all-gather: each rank copies only its own shard's part of the chunk, straight into the
+//     result slot (the ranks' parts are disjoint and cover it); once all are in, every rank copies
+//     the whole result out. Nothing is summed: any dtype.
+// Every collective arrives once its chunk's inputs are in and waits for all the ranks there, so
+// the invariant of two slot sets above holds across collectives of any kind in any order. The
+// size check of a bucket's first chunk compares the kind of collective too: a rank that starts a
+// reduce-scatter while another starts an all-reduce or an all-gather (a rank whose model switched
+// to sharded mode and another's that did not) raises on every rank, naming both, instead of
+// mixing their data. The all-gather, which has no sums to wait for, waits once more after the
+// check of its first chunk, so that no peer publishes its next bucket's size before every rank
+// has compared this one's. Timeouts, dead peers, close() and cancellation are the all-reduce's
+// (below): the same waits and the same job lock around every copy into or out of the bucket.
+//
 // Note [Shared-memory jobs and their buckets]
 // A job never owns its bucket's tensor: the PendingCollective does (it is
 // released on the caller's thread, which holds the GIL when the caller is
@@ -69,6 +90,11 @@ class ShmTransport : public Transport {
   bool watches_peers() const { return check_peers_; }
 
   std::unique_ptr<PendingCollective> allreduce_sum(at::Tensor& flat) override;
+  // See Note [Shared-memory reduce-scatter and all-gather].
+  std::unique_ptr<PendingCollective> reduce_scatter_sum(at::Tensor& flat,
+                                                        const std::string& label) override;
+  std::unique_ptr<PendingCollective> all_gather(at::Tensor& flat,
+                                                const std::string& label) override;
   std::string name() const override { return "shm"; }
   void check() override;
   void close(std::chrono::milliseconds deadline) override;
@@ -77,6 +103,7 @@ class ShmTransport : public Transport {
   struct Runtime;
 
  private:
+  std::unique_ptr<PendingCollective> start(at::Tensor& flat, shm::Collective op);
   void run_worker();
   void reduce(Job& job);
   void fail(const std::string& error);

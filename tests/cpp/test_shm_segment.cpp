@@ -339,6 +339,124 @@ static void test_waits_end() {
   expect(contains(stopped, "rank 1 stopped reducing"), stopped);
 }
 
+// Sharded mode (Note [Shared-memory reduce-scatter and all-gather]): all-reduces,
+// reduce-scatters and all-gathers interleaved on one segment, one mapping (ThreadSanitizer sees
+// every access), sizes that are multiples of the world across chunk edges. A reduce-scatter's
+// shard is bit-identical to the all-reduce's; an all-gather reconstructs every rank's shard.
+// Back-to-back one-chunk all-gathers of changing sizes: no rank may read a peer's next size as
+// this bucket's (the all-gather's extra wait after its first chunk's check).
+static int run_sharded_rank(shm::Segment& segment, int rank, int world) {
+  shm::WaitLimits limits;
+  limits.timeout = std::chrono::seconds(30);
+  uint64_t chunks = 0;
+  int wrong = 0;
+  auto shard_of = [&](const std::vector<float>& v, int owner) {
+    const int64_t n = static_cast<int64_t>(v.size()) / world;
+    return std::vector<float>(v.begin() + owner * n, v.begin() + (owner + 1) * n);
+  };
+  for (int64_t per_rank : {int64_t(0), int64_t(1), int64_t(17), int64_t(255), int64_t(256),
+                           int64_t(257), int64_t(1000), int64_t(2500)}) {
+    const int64_t n = per_rank * world;
+    const auto input = rank_input<float>(rank, n);
+    const auto sum = expected_sum<float>(world, n);
+    auto scattered = input;
+    shm::reduce_scatter(segment, rank, bucket_of(scattered, 1), chunks, limits);
+    if (shard_of(scattered, rank) != shard_of(sum, rank)) ++wrong;
+    auto reduced = input;
+    shm::reduce(segment, rank, bucket_of(reduced, 1), chunks, limits);
+    if (reduced != sum) ++wrong;
+    std::vector<float> gathered(n, -7.0f);
+    const auto mine = shard_of(input, rank);
+    std::copy(mine.begin(), mine.end(), gathered.begin() + rank * per_rank);
+    shm::all_gather(segment, rank, bucket_of(gathered, 1), chunks, limits);
+    for (int r = 0; r < world; ++r) {
+      if (shard_of(gathered, r) != shard_of(rank_input<float>(r, n), r)) ++wrong;
+    }
+  }
+  for (int i = 0; i < 200; ++i) {  // one-chunk all-gathers of changing sizes, then an all-reduce
+    const int64_t n = (1 + i % 5) * world;
+    std::vector<int32_t> gathered(n, rank);
+    shm::all_gather(segment, rank, bucket_of(gathered, 4), chunks, limits);
+    for (int64_t j = 0; j < n; ++j) {
+      if (gathered[j] != j / (n / world)) ++wrong;
+    }
+    std::vector<int32_t> ones(3, 1);
+    shm::reduce(segment, rank, bucket_of(ones, 4), chunks, limits);
+    if (ones != std::vector<int32_t>(3, world)) ++wrong;
+  }
+  return wrong;
+}
+
+static void test_sharded_threads(int world) {
+  const std::string name = unique_name("sharded");
+  auto segment = shm::Segment::create(name, world, kChunk);
+  segment->unlink();
+  std::vector<std::thread> threads;
+  std::vector<int> wrong(world, -1);
+  std::vector<std::string> errors(world);
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      errors[r] = error_of([&] { wrong[r] = run_sharded_rank(*segment, r, world); });
+      if (!errors[r].empty()) segment->stop(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    expect(errors[r].empty() && wrong[r] == 0,
+           "sharded, world " + std::to_string(world) + ", rank " + std::to_string(r) + ": " +
+               std::to_string(wrong[r]) + " wrong results " + errors[r]);
+  }
+}
+
+// Rank 0 runs one collective, the others another (or the same on another size): every rank
+// raises naming both, none hangs, nothing is written into a bucket.
+static void test_sharded_mismatch(int world, shm::Collective first, shm::Collective others,
+                                  int64_t other_numel, const std::string& says) {
+  const std::string name = unique_name("mismatch");
+  auto segment = shm::Segment::create(name, world, kChunk);
+  segment->unlink();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  std::vector<int> touched(world, 0);
+  const int64_t numel = 3000 * world;  // several chunks
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      shm::WaitLimits limits;
+      limits.timeout = std::chrono::seconds(30);
+      uint64_t chunks = 0;
+      std::vector<float> data(r == 0 ? numel : other_numel, 1.0f);
+      errors[r] = error_of(
+          [&] { shm::run(*segment, r, r == 0 ? first : others, bucket_of(data, 1), chunks, limits); });
+      segment->stop(r);
+      for (float x : data) touched[r] += x != 1.0f;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    expect(contains(errors[r], says) && touched[r] == 0,
+           "mismatch, world " + std::to_string(world) + ", rank " + std::to_string(r) +
+               ": " + errors[r] + " (" + std::to_string(touched[r]) + " elements written)");
+  }
+}
+
+static void test_sharded_refusals() {
+  const std::string name = unique_name("refuse");
+  auto segment = shm::Segment::create(name, 3, kChunk);
+  segment->unlink();
+  shm::WaitLimits limits;
+  uint64_t chunks = 0;
+  std::vector<float> data(10, 1.0f);
+  for (auto op : {shm::Collective::kReduceScatter, shm::Collective::kAllGather}) {
+    const std::string e =
+        error_of([&] { shm::run(*segment, 0, op, bucket_of(data, 1), chunks, limits); });
+    expect(contains(e, "multiple of the world size") && contains(e, "each of the 3 ranks") &&
+               contains(e, "got 10 elements"),
+           "a bucket of 10 elements is not sharded over 3 ranks: " + e);
+  }
+  expect(chunks == 0 && segment->header().ranks[0].arrived.load() == 0, "nothing was started");
+  expect(shm::collective_name(7) == "an unknown collective (7)", shm::collective_name(7));
+}
+
 // A peer that exited (a zombie, not reaped yet) or whose pid now names another
 // process (another start time) ends a wait within ~0.1 s.
 static void test_dead_and_reused_peers() {
@@ -384,6 +502,22 @@ int main() {
   test_threads_own_mappings(3);
   test_header_rewritten_after_attach();
   test_waits_end();
+  for (int world : {1, 2, 3, 4}) test_sharded_threads(world);
+  using C = shm::Collective;
+  for (int world : {2, 3}) {
+    const int64_t same = 3000 * world;
+    test_sharded_mismatch(world, C::kReduceScatter, C::kAllReduce, same,
+                          "ranks run different collectives");
+    test_sharded_mismatch(world, C::kAllGather, C::kReduceScatter, same,
+                          "ranks run different collectives");
+    test_sharded_mismatch(world, C::kAllReduce, C::kAllGather, same,
+                          "ranks run different collectives");
+    test_sharded_mismatch(world, C::kReduceScatter, C::kReduceScatter, 2 * same,
+                          "ranks reduce-scatter different buckets");
+    test_sharded_mismatch(world, C::kAllGather, C::kAllGather, 2 * same,
+                          "ranks all-gather different buckets");
+  }
+  test_sharded_refusals();
   if (failures != 0) {
     std::cerr << failures << " failure(s)\n";
     return 1;
