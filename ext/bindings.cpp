@@ -218,6 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bucket_numels", &Reducer::bucket_numels)
       .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"))
       .def("sharded", &Reducer::sharded)
+      .def("sharded_layout", &Reducer::sharded_layout)
       .def("bucket_flats", &Reducer::bucket_flats)
       .def("bucket_offsets", &Reducer::bucket_offsets)
       .def("request_rebuild", &Reducer::request_rebuild)

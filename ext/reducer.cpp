@@ -1030,6 +1030,7 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& assignment)
     bucket.skipped = !skipped_.empty() && skipped_[bucket.params.front()];
   }
   buckets_ = std::move(buckets);
+  sharded_layout_ = sharded_;
   stats_.bucket_caps_bytes = options_.bucket_caps_bytes;
   stats_.last_bucket_bytes = options_.last_bucket_bytes;
   stats_.reduce_dtype = options_.reduce_dtype;
@@ -1152,6 +1153,11 @@ void Reducer::set_sharded(bool sharded) {
 bool Reducer::sharded() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return sharded_;
+}
+
+bool Reducer::sharded_layout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sharded_layout_;
 }
 
 std::vector<at::Tensor> Reducer::bucket_flats() const {

@@ -181,6 +181,7 @@ class Reducer {
   // the next prepare_forward; collective in effect (every rank must set it).
   void set_sharded(bool sharded);
   bool sharded() const;
+  bool sharded_layout() const;  // the layout in force is sharded (set_sharded applied)
   // Per bucket (launch order): the flat buffer, and each slot's element offset in it.
   std::vector<at::Tensor> bucket_flats() const;
   std::vector<std::vector<int64_t>> bucket_offsets() const;
@@ -308,6 +309,7 @@ class Reducer {
   at::Tensor used_map_;  // see joined_used_map()
   at::Tensor used_host_;  // pinned on CUDA: Note [Used map on the GPU]
   bool sharded_ = false;  // Note [Sharded mode]
+  bool sharded_layout_ = false;  // the buckets in force were built (padded) for sharded mode
   at::Tensor allreduce_used_map();  // the global map, readable on the host
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
   // Accelerator gradients: the stream each one was produced on (its hook's

@@ -106,16 +106,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
         self._fragments = []     # this rank's fragments, bucket by bucket
         self._inner = None       # optimizer_class over the fragments
-        self._reduced_step = None  # the reducer's step whose gradients the fragments hold
+        # The reducer's step (count of synchronised backward passes) whose gradients the
+        # fragments hold, and the one zero_grad() cleared: a step() with no backward since
+        # zero_grad() updates nothing, as with a plain optimizer.
+        self._attached_step = None
+        self._cleared_step = model._reducer.stats()["step"]
 
     # -- the fragments ---------------------------------------------------------------------------
     def _current_layout(self):
         reducer = self.model._reducer
-        numels = reducer.bucket_numels()
-        world = dist.get_world_size(self.model.process_group)
-        if not reducer.sharded() or any(n % world for n in numels):
+        if not reducer.sharded_layout():
             return None  # sharded mode starts at the next forward
-        return (reducer.bucket_params(), reducer.bucket_offsets(), numels)
+        return (reducer.bucket_params(), reducer.bucket_offsets(), reducer.bucket_numels())
 
     def _ensure_fragments(self):
         """Build the fragments for the layout in force; when the layout changed, move the state
@@ -127,6 +129,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._build(layout)
         if moved is not None:
             self._distribute(moved)
+        elif self.state:
+            self._distribute_loaded()  # loaded before the first sharded layout existed
 
     def _build(self, layout):
         bucket_params, bucket_offsets, numels = layout
@@ -153,7 +157,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine += [f.view for f in fragments if self._group_of.get(f.index) == g]
             groups.append(dict(options, params=mine))
         self._inner = self.optimizer_class(groups)
-        self._reduced_step = None
+        self._attached_step = None
 
     # -- gradients -------------------------------------------------------------------------------
     def _attach_gradients(self):
@@ -164,9 +168,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         reducer = self.model._reducer
         step = reducer.stats()["step"]
-        if step == self._reduced_step:
+        if step == self._attached_step:
             return
-        self._reduced_step = step
+        self._attached_step = step
+        if step == self._cleared_step:
+            return  # no synchronised backward since zero_grad(): no gradient
         flats = reducer.bucket_flats()
         used = reducer.joined_used_map() if self.model.find_unused_parameters else None
         used = used.cpu() if used is not None else None
@@ -259,15 +265,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad.zero_()
         for f in self._fragments:
             f.view.grad = None
-        self._reduced_step = None
+        self._cleared_step = self.model._reducer.stats()["step"]
+        self._attached_step = None
 
     # -- checkpoints: the plain optimizer's format ------------------------------------------------
     def state_dict(self):
         """The plain optimizer's state_dict (what optimizer_class over the same parameter groups
         would return, e.g. under DDP): consolidated from every rank's fragments. Collective."""
         self._ensure_fragments()
-        saved = super().state_dict()  # param_groups with parameter indices; self.state is empty
-        saved["state"] = self._plain_state() if self._inner is not None else {}
+        # param_groups with parameter indices; self.state holds only a state loaded before the
+        # first sharded layout existed (then that is the answer).
+        saved = super().state_dict()
+        if self._inner is not None:
+            saved["state"] = self._plain_state()
         return saved
 
     def load_state_dict(self, state_dict):
