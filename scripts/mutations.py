@@ -848,4 +848,49 @@ MUTATIONS = [
         tests=["tests/test_gpu_ordering.py::test_backward_under_cuda_graph_capture_is_refused_naming_the_fix"],
         gpu=True,
     ),
+    # -- issue 23: the sharded optimizer --------------------------------------------------------
+    dict(
+        id="sharded-shard-offset-off-by-one",
+        file="python/fused_reducer/sharded.py",
+        edits=[("            lo, hi = rank * shard, (rank + 1) * shard",
+                "            lo, hi = rank * shard + 1, (rank + 1) * shard + 1")],
+        why="each rank's fragments start one element past its shard: the last element it updates "
+            "was reduced by the next rank, so it reads an unreduced gradient there",
+        tests=["tests/test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change"],
+    ),
+    dict(
+        id="sharded-state-not-moved-on-rebuild",
+        file="python/fused_reducer/sharded.py",
+        edits=[("        if moved is not None:\n            self._distribute(moved)",
+                "        if False:\n            self._distribute(moved)")],
+        why="when the buckets are rebuilt (after the first step, a limit change) the optimizer "
+            "state is not moved to the new fragments: momentum and Adam's moments restart",
+        tests=["tests/test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change"],
+    ),
+    dict(
+        id="sharded-clip-norm-without-the-cross-rank-sum",
+        file="python/fused_reducer/sharded.py",
+        edits=[("            dist.all_reduce(total, group=self.model.process_group)\n", "")],
+        why="clip_grad_norm_ clips by this rank's shard's norm, not the global one: every rank "
+            "scales its shard differently",
+        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released"],
+    ),
+    dict(
+        id="sharded-all-gather-of-a-stale-bucket",
+        file="python/fused_reducer/sharded.py",
+        edits=[("            mine = [f for f in self._fragments if f.bucket == b]",
+                "            mine = []")],
+        why="the all-gather sends a parameter buffer this rank never filled with its updated "
+            "shard: every rank receives stale (uninitialised) parameters",
+        tests=["tests/test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change"],
+    ),
+    dict(
+        id="sharded-local-gradients-kept",
+        file=REDUCER_CPP,
+        edits=[("  if (sharded_) {\n    release_local_gradients(buckets_[index]);\n    return;\n  }",
+                "  if (sharded_) {\n    return;\n  }")],
+        why="after a sharded backward param.grad keeps this rank's unreduced gradient: "
+            "clip_grad_norm_ over model.parameters() silently clips by a local norm",
+        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released"],
+    ),
 ]
