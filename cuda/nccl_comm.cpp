@@ -40,6 +40,15 @@ ncclResult_t real_all_reduce(const void* send, void* recv, size_t count, ncclDat
                              ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   return ncclAllReduce(send, recv, count, type, op, comm, stream);
 }
+ncclResult_t real_reduce_scatter(const void* send, void* recv, size_t recv_count,
+                                 ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                 cudaStream_t stream) {
+  return ncclReduceScatter(send, recv, recv_count, type, op, comm, stream);
+}
+ncclResult_t real_all_gather(const void* send, void* recv, size_t send_count, ncclDataType_t type,
+                             ncclComm_t comm, cudaStream_t stream) {
+  return ncclAllGather(send, recv, send_count, type, comm, stream);
+}
 ncclResult_t real_get_async_error(ncclComm_t comm, ncclResult_t* state) {
   return ncclCommGetAsyncError(comm, state);
 }
@@ -57,9 +66,28 @@ std::string nccl_unique_id() {
 }
 
 const NcclApi& real_nccl_api() {
-  static const NcclApi api{real_all_reduce, real_get_async_error, real_finalize,
-                           real_destroy,    real_abort,           real_last_error};
+  static const NcclApi api{real_all_reduce,     real_get_async_error, real_finalize,
+                           real_destroy,        real_abort,           real_last_error,
+                           real_reduce_scatter, real_all_gather};
   return api;
+}
+
+size_t nccl_type_bytes(ncclDataType_t type) {
+  switch (type) {
+    case ncclInt8:
+    case ncclUint8: return 1;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64: return 8;
+    default:
+      throw std::runtime_error("FusedReducer: NCCL data type " +
+                               std::to_string(static_cast<int>(type)) + " has no known size");
+  }
 }
 
 int nccl_version() {
@@ -183,21 +211,59 @@ void NcclComm::wait_until_done(const std::string& what, std::chrono::millisecond
   }
 }
 
-void NcclComm::allreduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
-                         cudaStream_t stream, std::chrono::milliseconds timeout) {
+void NcclComm::launch(const std::string& what, const char* call_name,
+                      const std::function<ncclResult_t(ncclComm_t)>& call,
+                      std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> operation(op_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (comm_ == nullptr || closed_.load()) {
-      throw std::runtime_error(gone_locked("starting an all-reduce"));
+      throw std::runtime_error(gone_locked("starting " + what));
     }
-    const ncclResult_t result = api_->all_reduce(data, data, count, type, op, comm_, stream);
+    const ncclResult_t result = call(comm_);
     if (result != ncclSuccess && result != ncclInProgress) {
       throw std::runtime_error(
-          describe(result, "ncclAllReduce", __FILE__, __LINE__, api_->last_error(comm_)));
+          describe(result, call_name, __FILE__, __LINE__, api_->last_error(comm_)));
     }
   }
-  wait_until_done("enqueuing an all-reduce", timeout);  // enqueue only: no wait for the GPU
+  wait_until_done("enqueuing " + what, timeout);  // enqueue only: no wait for the GPU
+}
+
+void NcclComm::allreduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                         cudaStream_t stream, std::chrono::milliseconds timeout) {
+  launch("an all-reduce", "ncclAllReduce",
+         [&](ncclComm_t comm) {
+           return api_->all_reduce(data, data, count, type, op, comm, stream);
+         },
+         timeout);
+}
+
+void* NcclComm::own_shard(void* data, size_t count, ncclDataType_t type) const {
+  return static_cast<char*>(data) + static_cast<size_t>(rank_) * count * nccl_type_bytes(type);
+}
+
+void NcclComm::reduce_scatter(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                              cudaStream_t stream, std::chrono::milliseconds timeout) {
+  if (api_->reduce_scatter == nullptr) {
+    throw std::runtime_error("FusedReducer: this NCCL API has no reduce-scatter");
+  }
+  void* shard = own_shard(data, count, type);
+  launch("a reduce-scatter", "ncclReduceScatter",
+         [&](ncclComm_t comm) {
+           return api_->reduce_scatter(data, shard, count, type, op, comm, stream);
+         },
+         timeout);
+}
+
+void NcclComm::all_gather(void* data, size_t count, ncclDataType_t type, cudaStream_t stream,
+                          std::chrono::milliseconds timeout) {
+  if (api_->all_gather == nullptr) {
+    throw std::runtime_error("FusedReducer: this NCCL API has no all-gather");
+  }
+  const void* shard = own_shard(data, count, type);
+  launch("an all-gather", "ncclAllGather",
+         [&](ncclComm_t comm) { return api_->all_gather(shard, data, count, type, comm, stream); },
+         timeout);
 }
 
 bool NcclComm::close(std::chrono::milliseconds deadline) {

@@ -48,13 +48,24 @@ struct NcclApi {
   ncclResult_t (*destroy)(ncclComm_t comm);
   ncclResult_t (*abort)(ncclComm_t comm);
   const char* (*last_error)(ncclComm_t comm);
+  // Sharded mode (last, so that an initializer of the fields above still compiles; a null entry
+  // is refused by the call that needs it).
+  ncclResult_t (*reduce_scatter)(const void* send, void* recv, size_t recv_count,
+                                 ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                 cudaStream_t stream);
+  ncclResult_t (*all_gather)(const void* send, void* recv, size_t send_count, ncclDataType_t type,
+                             ncclComm_t comm, cudaStream_t stream);
 };
 const NcclApi& real_nccl_api();
 
+// Bytes per element of `type`; throws std::runtime_error for a type it does not know.
+size_t nccl_type_bytes(ncclDataType_t type);
+
 // Note [Who may touch the communicator]
 // Two threads use one communicator: the owner's (the autograd hook thread:
-// all-reduce, close) and the watchdog's (asynchronous-error polls, abort). No
-// NCCL call on it ever overlaps another, and none follows its release:
+// all-reduce, reduce-scatter, all-gather, close) and the watchdog's
+// (asynchronous-error polls, abort). No NCCL call on it ever overlaps another,
+// and none follows its release:
 // - `mutex_` is held for every single NCCL call on `comm_` and for its release
 //   (ncclCommAbort / ncclCommDestroy). Polling loops (an enqueue or a finalize
 //   in progress) hold it for one ncclCommGetAsyncError at a time and release it
@@ -64,7 +75,7 @@ const NcclApi& real_nccl_api();
 //   releases it, and `aborted_` is set first: a thread that takes `mutex_` next
 //   sees the communicator gone instead of using freed memory, and aborted()
 //   (lock-free) never reports a live communicator that is being destroyed.
-// - `op_mutex_` serialises the owner's operations (an all-reduce and its
+// - `op_mutex_` serialises the owner's operations (a collective and its
 //   enqueue poll, a finalize and its poll): NCCL forbids a new call on a
 //   non-blocking communicator while one is in progress. abort() never takes
 //   it, so it cannot be held off by a stuck operation.
@@ -88,6 +99,15 @@ class NcclComm {
   // In-place all-reduce of `count` elements at `data`, enqueued on `stream`.
   void allreduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
                  cudaStream_t stream, std::chrono::milliseconds timeout);
+  // In place on `data`, `world_size() * count` elements in world_size shards of `count`, rank
+  // r owning the r-th (sharded mode). reduce_scatter: ncclReduceScatter(send = data, recv = the
+  // shard of this rank), which NCCL documents as in place; after it this rank's shard holds the
+  // sum of every rank's. all_gather: ncclAllGather(send = the shard of this rank, recv = data),
+  // in place likewise. Same locks and enqueue poll as allreduce.
+  void reduce_scatter(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                      cudaStream_t stream, std::chrono::milliseconds timeout);
+  void all_gather(void* data, size_t count, ncclDataType_t type, cudaStream_t stream,
+                  std::chrono::milliseconds timeout);
   // ncclSuccess, ncclInProgress, or the communicator's asynchronous error;
   // ncclInvalidUsage once it was released.
   ncclResult_t async_error() const;
@@ -112,6 +132,13 @@ class NcclComm {
   // per poll; aborts and throws on error or after `timeout`, throws if another
   // thread aborted it meanwhile.
   void wait_until_done(const std::string& what, std::chrono::milliseconds timeout);
+  // One collective: `call` (named `call_name` in errors) on the communicator under both locks,
+  // then its enqueue polled; `what` is e.g. "an all-reduce".
+  void launch(const std::string& what, const char* call_name,
+              const std::function<ncclResult_t(ncclComm_t)>& call,
+              std::chrono::milliseconds timeout);
+  // `data` + this rank's shard of `count` elements of `type`.
+  void* own_shard(void* data, size_t count, ncclDataType_t type) const;
   // With mutex_ held.
   void abort_locked();
   std::string gone_locked(const std::string& what) const;

@@ -20,7 +20,8 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kInt: return ncclInt32;
     case at::kLong: return ncclInt64;
     default:
-      TORCH_CHECK(false, "FusedReducer: NCCL transport cannot reduce dtype ", t.scalar_type());
+      TORCH_CHECK(false, "FusedReducer: the NCCL transport cannot move dtype ", t.scalar_type(),
+                  "; it takes float32, float16, bfloat16, float64, int32 and int64");
   }
 }
 
@@ -120,13 +121,52 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce_sum_labeled(at::Tens
 
 std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, ncclRedOp_t op,
                                                             const std::string& label) {
-  TORCH_CHECK(watchdog_, "FusedReducer: the NCCL transport was closed; construct a new FusedReducer");
+  return launch(flat, "all-reduce", label, [&](cudaStream_t stream) {
+    comm_->allreduce(flat.data_ptr(), static_cast<size_t>(flat.numel()), nccl_type(flat), op,
+                     stream, timeout_);
+  });
+}
+
+void NcclTransport::check_shardable(const at::Tensor& flat, const char* what) const {
+  TORCH_CHECK(watchdog_,
+              "FusedReducer: the NCCL transport was closed; construct a new FusedReducer");
+  const int64_t world = comm_->world_size();
+  TORCH_CHECK(flat.numel() % world == 0, "FusedReducer: the ", what, " over NCCL needs a bucket "
+              "whose number of elements is a multiple of the world size (each of the ", world,
+              " ranks owns an equal shard); got ", flat.numel(), " elements (", flat.numel(),
+              " % ", world, " = ", flat.numel() % world, ")");
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::reduce_scatter_sum(at::Tensor& flat,
+                                                                     const std::string& label) {
+  check_shardable(flat, "reduce-scatter");
+  return launch(flat, "reduce-scatter", label, [&](cudaStream_t stream) {
+    const auto shard = static_cast<size_t>(flat.numel() / comm_->world_size());
+    comm_->reduce_scatter(flat.data_ptr(), shard, nccl_type(flat), ncclSum, stream, timeout_);
+  });
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::all_gather(at::Tensor& flat,
+                                                             const std::string& label) {
+  check_shardable(flat, "all-gather");
+  return launch(flat, "all-gather", label, [&](cudaStream_t stream) {
+    const auto shard = static_cast<size_t>(flat.numel() / comm_->world_size());
+    comm_->all_gather(flat.data_ptr(), shard, nccl_type(flat), stream, timeout_);
+  });
+}
+
+std::unique_ptr<PendingCollective> NcclTransport::launch(
+    at::Tensor& flat, const char* kind, const std::string& label,
+    const std::function<void(cudaStream_t)>& enqueue) {
+  TORCH_CHECK(watchdog_,
+              "FusedReducer: the NCCL transport was closed; construct a new FusedReducer");
   watchdog_->check();
   TORCH_CHECK(flat.is_cuda() && flat.device().index() == device_ && flat.is_contiguous(),
-              "FusedReducer: the NCCL transport reduces contiguous tensors on cuda:", device_,
-              ", got ", flat.device(), flat.is_contiguous() ? "" : " (non-contiguous)");
+              "FusedReducer: the NCCL transport's ", kind, " takes contiguous tensors on cuda:",
+              device_, ", got ", flat.device(), flat.is_contiguous() ? "" : " (non-contiguous)");
+  (void)nccl_type(flat);  // refused before anything is recorded
   c10::cuda::CUDAGuard guard(device_);
-  // The bucket was filled on the current stream: the all-reduce waits for it on the GPU.
+  // The bucket was filled on the current stream: the collective waits for it on the GPU.
   const auto current = c10::cuda::getCurrentCUDAStream(device_);
   refuse_under_capture(current.stream(), device_);
   auto filled = make_event();
@@ -135,8 +175,7 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, nc
   // The caching allocator must not hand this memory out again before NCCL is done with it.
   c10::cuda::CUDACachingAllocator::recordStream(flat.storage().data_ptr(), stream_);
   try {
-    comm_->allreduce(flat.data_ptr(), static_cast<size_t>(flat.numel()), nccl_type(flat), op,
-                     stream_.stream(), timeout_);
+    enqueue(stream_.stream());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }
@@ -145,10 +184,9 @@ std::unique_ptr<PendingCollective> NcclTransport::allreduce(at::Tensor& flat, nc
   std::ostringstream what;
   ++launched_;
   if (label.empty()) {
-    what << "all-reduce #" << launched_ << " (" << flat.numel() * flat.element_size()
-         << " bytes)";
+    what << kind << " #" << launched_ << " (" << flat.numel() * flat.element_size() << " bytes)";
   } else {
-    what << "all-reduce of " << label;
+    what << kind << " of " << label;
   }
   what << " on cuda:" << device_;
   watchdog_->watch(done, timeout_, what.str());

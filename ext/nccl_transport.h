@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -51,6 +52,12 @@ namespace fused_reducer {
 // SyncBatchNorm, and an explicit backend="nccl" with one, or a comm hook
 // registered while this transport is in use, raises naming
 // backend="process_group".
+// Note [NCCL reduce-scatter and all-gather]
+// The sharded mode's collectives go the all-reduce's way (the note above): the same stream, the
+// same events before and after, record_stream, the watchdog with the bucket's name, the same
+// communicator locks. Both are in place on the flat bucket of world_size equal shards of S
+// elements, as NCCL documents in-place operation: ncclReduceScatter(send = flat, recv = flat +
+// rank * S) and ncclAllGather(send = flat + rank * S, recv = flat).
 class NcclTransport : public Transport {
  public:
   // Joins the communicator `unique_id` as `rank` of `world_size` on CUDA
@@ -64,6 +71,11 @@ class NcclTransport : public Transport {
   // `label` names the bucket in the watchdog's error (see Note [NCCL without host stalls]).
   std::unique_ptr<PendingCollective> allreduce_sum_labeled(at::Tensor& flat,
                                                            const std::string& label) override;
+  // Sharded mode, in place (Note [NCCL reduce-scatter and all-gather]).
+  std::unique_ptr<PendingCollective> reduce_scatter_sum(at::Tensor& flat,
+                                                        const std::string& label) override;
+  std::unique_ptr<PendingCollective> all_gather(at::Tensor& flat,
+                                                const std::string& label) override;
   std::string name() const override;
   void check() override;
   void close(std::chrono::milliseconds deadline) override;
@@ -71,6 +83,13 @@ class NcclTransport : public Transport {
  private:
   std::unique_ptr<PendingCollective> allreduce(at::Tensor& flat, ncclRedOp_t op,
                                                const std::string& label);
+  // Raises unless `flat` splits into world-size equal shards, naming the sizes.
+  void check_shardable(const at::Tensor& flat, const char* what) const;
+  // One collective on `flat` (named `kind`, e.g. "all-reduce", and `label`), enqueued on the
+  // transport's stream by `enqueue`: see Note [NCCL without host stalls].
+  std::unique_ptr<PendingCollective> launch(at::Tensor& flat, const char* kind,
+                                            const std::string& label,
+                                            const std::function<void(cudaStream_t)>& enqueue);
 
   std::shared_ptr<cuda::NcclComm> comm_;
   std::shared_ptr<cuda::Watchdog> watchdog_;

@@ -118,8 +118,8 @@ std::unique_ptr<PendingCollective> ProcessGroupTransport::reduce_scatter_sum(
   // See Note [Process-group reduce-scatter and all-gather].
   deadlines_->check();
   at::Tensor whole = shardable(flat, "reduce-scatter");
-  const std::string what =
-      label.empty() ? "reduce-scatter #" + std::to_string(launched_ + 1) : "reduce-scatter of " + label;
+  const std::string what = label.empty() ? "reduce-scatter #" + std::to_string(launched_ + 1)
+                                          : "reduce-scatter of " + label;
   const auto device = flat.device().type();
   if (group_->getBackend(device)->getBackendName() == "gloo") {
     std::vector<at::Tensor> tensors{whole};

@@ -311,10 +311,11 @@ void ShmTransport::run_worker() {
       failure = rt.error;
     }
     const std::string op = shm::collective_name(static_cast<int32_t>(job->op));
-    const std::string cancelled = std::string(job->op == shm::Collective::kAllReduce ? "an " : "a ") +
-                                  op + " of rank " + std::to_string(rank_) +
-                                  " was cancelled (its wait timed out, or it was dropped "
-                                  "unwaited); the shared-memory transport stopped";
+    const std::string cancelled =
+        std::string(job->op == shm::Collective::kAllReduce ? "an " : "a ") + op + " of rank " +
+        std::to_string(rank_) +
+        " was cancelled (its wait timed out, or it was dropped unwaited); the shared-memory "
+        "transport stopped";
     if (failure.empty()) {
       try {
         reduce(*job);

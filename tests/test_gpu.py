@@ -379,3 +379,31 @@ def test_autotune_times_cuda_trials_with_events_on_the_gpu(nccl_world_of_one, ba
     assert all(0.8 * gpu_ms <= s <= 2 * gpu_ms for s in samples), (
         f"trial step times {samples} ms should read the GPU's ~{gpu_ms} ms step "
         f"(host gaps: {host_ms:.1f} ms)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_world_of_one_reduce_scatter_and_all_gather_are_the_identity_on_nccl(nccl_world_of_one,
+                                                                             dtype):
+    """Issue 23 (sharded mode): at world size 1 the in-place reduce-scatter and all-gather leave
+    the bucket as it was, through ncclReduceScatter/ncclAllGather directly (NcclTransport) and
+    through ProcessGroupNCCL's reduce_scatter_single/all_gather_single (in place on a view of the
+    bucket); buckets it cannot take are refused naming why."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    transports = [_C.NcclTransport(_C.nccl_unique_id(), 0, 1, 0, 30.0),
+                  _C.ProcessGroupTransport(nccl_world_of_one)]
+    for transport in transports:
+        for n in (1, 1000, (1 << 20) + 3):
+            if dtype.is_floating_point:
+                x = (torch.randn(n, device="cuda", generator=g) * 100).to(dtype)
+            else:
+                x = torch.randint(-1000, 1000, (n,), device="cuda", generator=g, dtype=dtype)
+            flat = x.clone()
+            transport.reduce_scatter_sum(flat, "bucket 0").wait(30.0)
+            transport.all_gather(flat).wait(30.0)
+            torch.cuda.synchronize()
+            assert torch.equal(flat, x), (transport.name, n)
+        with pytest.raises(RuntimeError, match="contiguous"):
+            transport.reduce_scatter_sum(torch.zeros(8, device="cuda", dtype=dtype)[::2])
+    with pytest.raises(RuntimeError, match="cuda:0, got cpu"):
+        transports[0].all_gather(torch.zeros(8, dtype=dtype))
+    transports[0].close(10.0)

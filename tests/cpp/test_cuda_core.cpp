@@ -225,6 +225,14 @@ struct FakeNccl {
   std::atomic<ncclResult_t> finalize_state{ncclSuccess};
   std::atomic<bool> hold_all_reduce{false};    // ncclAllReduce does not return while set
   std::atomic<bool> inside_all_reduce{false};
+  // Sharded mode: calls, what the last one was given, and a hold like the all-reduce's.
+  std::atomic<int> reduce_scatters{0};
+  std::atomic<int> all_gathers{0};
+  std::atomic<const void*> last_send{nullptr};
+  std::atomic<void*> last_recv{nullptr};
+  std::atomic<size_t> last_count{0};
+  std::atomic<bool> hold_sharded{false};
+  std::atomic<bool> inside_sharded{false};
   std::chrono::microseconds call_time{100};
   const NcclComm* comm = nullptr;
 };
@@ -252,6 +260,30 @@ ncclResult_t fake_all_reduce(const void*, void*, size_t, ncclDataType_t, ncclRed
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   fake->inside_all_reduce = false;
+  return ncclInProgress;
+}
+void sharded_call(const void* send, void* recv, size_t count) {
+  fake->last_send = send;
+  fake->last_recv = recv;
+  fake->last_count = count;
+  fake->inside_sharded = true;
+  while (fake->hold_sharded.load()) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  fake->inside_sharded = false;
+}
+ncclResult_t fake_reduce_scatter(const void* send, void* recv, size_t recv_count, ncclDataType_t,
+                                 ncclRedOp_t, ncclComm_t comm, cudaStream_t) {
+  Call call(comm);
+  fake->reduce_scatters += 1;
+  sharded_call(send, recv, recv_count);
+  return ncclInProgress;
+}
+ncclResult_t fake_all_gather(const void* send, void* recv, size_t send_count, ncclDataType_t,
+                             ncclComm_t comm, cudaStream_t) {
+  Call call(comm);
+  fake->all_gathers += 1;
+  sharded_call(send, recv, send_count);
   return ncclInProgress;
 }
 ncclResult_t fake_get_async_error(ncclComm_t comm, ncclResult_t* state) {
@@ -286,8 +318,9 @@ ncclResult_t fake_abort(ncclComm_t comm) {
 }
 const char* fake_last_error(ncclComm_t) { return "fake NCCL detail"; }
 
-const NcclApi kFakeApi{fake_all_reduce, fake_get_async_error, fake_finalize,
-                       fake_destroy,    fake_abort,           fake_last_error};
+const NcclApi kFakeApi{fake_all_reduce,     fake_get_async_error, fake_finalize,
+                       fake_destroy,        fake_abort,           fake_last_error,
+                       fake_reduce_scatter, fake_all_gather};
 
 void expect_clean(const FakeNccl& f, const std::string& what) {
   expect(f.overlaps.load() == 0,
@@ -469,6 +502,136 @@ void test_comm_lock_discipline() {
   fake = nullptr;
 }
 
+// Sharded mode (Note [NCCL reduce-scatter and all-gather]): ncclReduceScatter and ncclAllGather go
+// through the communicator's locks like ncclAllReduce (no overlap with the watchdog's polls, an
+// abort waits while one runs, none after the release), in place on this rank's shard.
+void test_sharded_collectives() {
+  using namespace std::chrono_literals;
+  using fused_reducer::cuda::nccl_type_bytes;
+  expect(nccl_type_bytes(ncclBfloat16) == 2 && nccl_type_bytes(ncclFloat64) == 8 &&
+             nccl_type_bytes(ncclInt32) == 4 && nccl_type_bytes(ncclUint8) == 1,
+         "NCCL element sizes");
+  expect(contains(error_of([] { (void)nccl_type_bytes(static_cast<ncclDataType_t>(99)); }),
+                  "data type 99"),
+         "an unknown NCCL type is refused");
+  static float buffer[3 * 8];
+  for (const bool gather : {false, true}) {
+    const std::string kind = gather ? "all-gather" : "reduce-scatter";
+    auto run = [&](NcclComm& comm, std::chrono::milliseconds timeout) {
+      if (gather) {
+        comm.all_gather(buffer, 8, ncclFloat32, nullptr, timeout);
+      } else {
+        comm.reduce_scatter(buffer, 8, ncclFloat32, ncclSum, nullptr, timeout);
+      }
+    };
+    {  // In place on rank 2's shard, while the watchdog polls; then its abort.
+      FakeNccl f;
+      fake = &f;
+      auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 2, 3, 0);
+      f.comm = comm.get();
+      std::atomic<bool> go{true};
+      std::string hook_error;
+      std::atomic<bool> hook_failed{false};
+      std::thread hook([&] {
+        while (go.load()) {
+          f.in_progress_polls = 3;
+          const std::string e = error_of([&] { run(*comm, 10000ms); });
+          if (!e.empty()) {
+            hook_error = e;
+            hook_failed = true;
+            return;
+          }
+        }
+      });
+      std::thread poller([&] {
+        for (int i = 0; i < 50 && go.load(); ++i) {
+          comm->async_error();
+          (void)comm->last_error();
+          std::this_thread::sleep_for(200us);
+        }
+        comm->abort();
+      });
+      poller.join();
+      expect(eventually([&] { return hook_failed.load(); }), kind + ": the hook sees the abort");
+      go = false;
+      hook.join();
+      const int calls = gather ? f.all_gathers.load() : f.reduce_scatters.load();
+      expect(calls > 1 && f.all_reduces.load() == 0,
+             kind + ": went through its own NCCL entry point (" + std::to_string(calls) + ")");
+      const void* shard = buffer + 2 * 8;
+      const bool in_place = gather ? (f.last_send.load() == shard && f.last_recv.load() == buffer)
+                                   : (f.last_send.load() == buffer && f.last_recv.load() == shard);
+      expect(in_place && f.last_count.load() == 8,
+             kind + ": in place, this rank's shard of 8 elements");
+      expect(contains(hook_error, "aborted after an earlier error") &&
+                 contains(hook_error, gather ? "an all-gather" : "a reduce-scatter"),
+             kind + " after the abort names it: " + hook_error);
+      expect_clean(f, kind + " racing the watchdog");
+      f.comm = nullptr;
+    }
+    {  // An abort while the hook thread is inside the call waits for it (the same lock).
+      FakeNccl f;
+      fake = &f;
+      auto comm = std::make_shared<NcclComm>(kFakeApi, kFakeComm, 0, 2, 0);
+      f.comm = comm.get();
+      f.hold_sharded = true;
+      std::thread hook([&] { (void)error_of([&] { run(*comm, 10000ms); }); });
+      expect(eventually([&] { return f.inside_sharded.load(); }), kind + ": inside NCCL");
+      std::thread watchdog([&] { comm->abort(); });
+      std::this_thread::sleep_for(20ms);
+      expect(f.aborts.load() == 0, "the abort waits while the " + kind + " runs");
+      f.hold_sharded = false;
+      watchdog.join();
+      hook.join();
+      expect(f.aborts.load() == 1 && comm->aborted(), kind + ": then it aborts");
+      expect_clean(f, "abort while inside the " + kind);
+      f.comm = nullptr;
+    }
+    {  // A stuck enqueue times out and aborts; after close(), refused.
+      FakeNccl f;
+      fake = &f;
+      NcclComm comm(kFakeApi, kFakeComm, 1, 2, 0);
+      f.comm = &comm;
+      f.state = ncclInProgress;
+      const std::string e = error_of([&] { run(comm, 20ms); });
+      expect(contains(e, "timed out after 20 ms enqueuing " +
+                             std::string(gather ? "an all-gather" : "a reduce-scatter")),
+             kind + " enqueue past its timeout: " + e);
+      expect(comm.aborted() && f.aborts.load() == 1, kind + ": ... aborts the communicator");
+      expect_clean(f, kind + " enqueue timeout");
+      f.comm = nullptr;
+    }
+    {
+      FakeNccl f;
+      fake = &f;
+      NcclComm comm(kFakeApi, kFakeComm, 0, 2, 0);
+      f.comm = &comm;
+      expect(comm.close(5000ms), "close() finalizes cleanly");
+      const std::string e = error_of([&] { run(comm, 1000ms); });
+      expect(contains(e, "closed"), kind + " after close() is refused: " + e);
+      expect_clean(f, kind + " after close");
+      f.comm = nullptr;
+    }
+  }
+  {  // An API without the sharded entry points refuses them instead of calling null.
+    FakeNccl f;
+    fake = &f;
+    const NcclApi old{fake_all_reduce, fake_get_async_error, fake_finalize,
+                      fake_destroy,    fake_abort,           fake_last_error};
+    NcclComm comm(old, kFakeComm, 0, 2, 0);
+    f.comm = &comm;
+    expect(contains(error_of([&] { comm.reduce_scatter(buffer, 8, ncclFloat32, ncclSum, nullptr,
+                                                       1000ms); }), "no reduce-scatter"),
+           "no reduce-scatter entry point");
+    expect(contains(error_of([&] { comm.all_gather(buffer, 8, ncclFloat32, nullptr, 1000ms); }),
+                    "no all-gather"),
+           "no all-gather entry point");
+    expect(comm.close(5000ms), "close() finalizes cleanly");
+    f.comm = nullptr;
+  }
+  fake = nullptr;
+}
+
 void test_watchdog() {
   using namespace std::chrono_literals;
   const std::string bucket = "all-reduce of bucket 3 of 7 (12 parameters, 4.00 MB, first "
@@ -629,6 +792,7 @@ int main() {
   expect(fused_reducer::cuda::nccl_version() >= 21000, "NCCL >= 2.10 (ncclAvg)");
   test_copy_split();
   test_comm_lock_discipline();
+  test_sharded_collectives();
   test_watchdog();
 
   {  // Note [No NCCL collective under graph capture]: the refusal names the device, why, the fix.

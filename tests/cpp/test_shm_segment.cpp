@@ -425,8 +425,8 @@ static void test_sharded_mismatch(int world, shm::Collective first, shm::Collect
       limits.timeout = std::chrono::seconds(30);
       uint64_t chunks = 0;
       std::vector<float> data(r == 0 ? numel : other_numel, 1.0f);
-      errors[r] = error_of(
-          [&] { shm::run(*segment, r, r == 0 ? first : others, bucket_of(data, 1), chunks, limits); });
+      const shm::Collective op = r == 0 ? first : others;
+      errors[r] = error_of([&] { shm::run(*segment, r, op, bucket_of(data, 1), chunks, limits); });
       segment->stop(r);
       for (float x : data) touched[r] += x != 1.0f;
     });
