@@ -8,7 +8,8 @@
   kernel runs with a real scale of 1/2, against DDP on the same GPU.
 * SyncBatchNorm and CUDA AMP (GradScaler) train as under DDP (world size 1 over NCCL).
 * find_unused_parameters waits for the used map once, on an event; a backward under CUDA graph
-  capture is refused with a clear error.
+  capture is refused with a clear error; a rebuild keeps buckets packed on a side stream until
+  that stream is done with them.
 Skipped without a GPU or without a CUDA build.
 """
 import subprocess
@@ -244,6 +245,31 @@ def test_backward_under_cuda_graph_capture_is_refused_naming_the_fix(nccl_world_
             ours(x).sum().backward()
     text = str(raised.value) + " | " + str(raised.value.__context__)
     assert "being captured into a CUDA graph" in text and "outside the graph" in text, text
+    ours.close()
+
+
+def test_a_rebuild_keeps_old_buckets_until_their_side_stream_copies_are_done(nccl_world_of_one):
+    """Note [Releasing GPU buckets]: buckets packed on a side stream (forward and backward under
+    torch.cuda.stream) are freed by a rebuild on the default stream; the caching allocator must
+    hold their memory (active_pending_free) until the side stream passes that point, not hand
+    it out at once (the NCCL stream alone, long done, would not hold it)."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl")
+    side = torch.cuda.Stream()
+    x = torch.randn(32, 64, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the first step, and one on the rebuilt layout
+            ours.zero_grad()
+            ours(x).sum().backward()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # events recorded on `side` from now on are pending
+    ours.first_bucket_bytes = 4096
+    ours(x)  # the rebuild frees the old buckets here, on the default stream
+    pending = [block for segment in torch.cuda.memory._snapshot()["segments"]
+               for block in segment["blocks"] if block["state"] == "active_pending_free"]
+    torch.cuda.synchronize()
+    assert pending, "old buckets were free for reuse while their packing stream was still busy"
     ours.close()
 
 
