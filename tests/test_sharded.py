@@ -11,7 +11,8 @@ Against DDP + the same torch optimizer on the same data, at 2 and 3 ranks, on bo
   and CPU autocast (bf16) trains like DDP under it;
 - the optimizer state per rank is 1/world of the plain optimizer's (padding aside);
 - checkpoints in the plain format: a DDP + AdamW checkpoint resumes here, and back;
-- refusals: optimizers whose update is not elementwise, and what sharded mode cannot combine with.
+- refusals: optimizers whose update is not elementwise, and what sharded mode cannot combine with
+  yet (gradient_as_bucket_view, fp16 GradScaler, join, comm hooks), each naming what to do.
 """
 import pytest
 import torch
@@ -248,6 +249,26 @@ def check_refusals(rank, world):
             ShardedOptimizer(ours, cls, lr=1e-2)
         except ShardedOptimizerError as e:
             messages[cls.__name__] = str(e)
+    scaled = FusedReducer(_net(), backend="process_group")
+    scaled_opt = ShardedOptimizer(scaled, torch.optim.AdamW, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = _batch(rank, 0)
+    scaler.scale(_loss(scaled, x, y)).backward()
+    try:
+        scaler.step(scaled_opt)
+    except ShardedOptimizerError as e:
+        messages["GradScaler"] = str(e)
+    try:
+        with scaled.join():
+            pass
+    except FusedReducerError as e:
+        messages["join"] = str(e)
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        scaled.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError as e:
+        messages["comm hook"] = str(e)
+    scaled.close()
     views = FusedReducer(_net(), backend="process_group", gradient_as_bucket_view=True)
     try:
         ShardedOptimizer(views, torch.optim.SGD, lr=0.1)
@@ -334,3 +355,6 @@ def test_non_elementwise_optimizers_and_bucket_views_are_refused(outcomes):
         assert "LBFGS" in messages["LBFGS"] and "elementwise" in messages["LBFGS"]
         assert "MyAdam" in messages["MyAdam"]
         assert "gradient_as_bucket_view" in messages["gradient_as_bucket_view"]
+        assert "GradScaler" in messages["GradScaler"] and "bf16" in messages["GradScaler"]
+        assert "ShardedOptimizer" in messages["join"]
+        assert "reduce-scatter" in messages["comm hook"]

@@ -384,6 +384,11 @@ class FusedReducer(nn.Module, Joinable):
         own NCCL communicator in use (``backend="nccl"``, which "auto" picks on CUDA) this raises
         FusedReducerError naming the fix. See Note [One NCCL communicator]."""
         check_hook(hook)
+        if getattr(self, "_sharded", False):
+            raise FusedReducerError(
+                f"FusedReducer: cannot register communication hook {_name_of(hook)}: a "
+                "ShardedOptimizer reduce-scatters this model's buckets, and a hook replaces the "
+                "all-reduce; use one or the other")
         if self._comm_hook is not None:
             raise FusedReducerError(
                 "FusedReducer: register_comm_hook can only be called once (as in DDP); "

@@ -219,8 +219,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     # -- the step --------------------------------------------------------------------------------
+    # GradScaler then hands itself to step() instead of unscaling param.grad (None here).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise ShardedOptimizerError(
+                "ShardedOptimizer: torch.amp.GradScaler (fp16 loss scaling) is not supported yet: "
+                "the gradients exist only as shards, so an inf/nan found on one rank would have to "
+                "skip the step on every rank. Train with bf16 autocast (no loss scaling needed), "
+                "or use a plain optimizer with GradScaler.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
