@@ -26,7 +26,8 @@ a limit changes), the fragments change. The state is consolidated into the plain
 format under the old fragments (state_dict(), collective), and loaded under the new ones
 (load_state_dict()): the same two functions a checkpoint uses, so there is one way state moves.
 
-After a synchronised backward in sharded mode param.grad is None (the local, unreduced
+step() consumes the gradients (the all-gather reuses their buckets): a second step() before the
+next backward updates nothing. After a synchronised backward in sharded mode param.grad is None (the local, unreduced
 gradients are released once their bucket is reduced): the averaged gradients exist only as
 shards. Clip with ``opt.clip_grad_norm_`` (the norm over all shards); torch utilities that read
 param.grad see no gradient.
@@ -242,18 +243,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     mine[key] = value
         self._inner.step()
+        # The gradients are consumed: the all-gather reuses their buckets. A second step()
+        # before the next backward updates nothing.
+        for f in self._fragments:
+            f.view.grad = None
+        self._cleared_step = self._attached_step
         self._all_gather_parameters()
         return loss
 
     def _all_gather_parameters(self):
         """Every bucket's parameters from their owners: this rank's fragments (just updated)
-        into a flat buffer shaped like the bucket, all-gathered in place, then copied out."""
+        into a flat buffer shaped like the bucket, all-gathered in place, then copied out. The
+        buffer is the bucket itself where the dtypes agree: its gradients were consumed by the
+        update, and the next backward overwrites it anyway (no memory beyond DDP's buckets)."""
         params = self.model._reducer_params()
         bucket_params, bucket_offsets, numels = self._layout
+        buckets = self.model._reducer.bucket_flats()
         transport = self.model._transport
         flats, pending = [], []
         for b, (indices, numel) in enumerate(zip(bucket_params, numels)):
-            flat = torch.empty(numel, dtype=params[indices[0]].dtype, device=self.model.device)
+            dtype = params[indices[0]].dtype
+            flat = (buckets[b] if buckets[b].dtype == dtype
+                    else torch.empty(numel, dtype=dtype, device=self.model.device))
             mine = [f for f in self._fragments if f.bucket == b]
             _C.scaled_copy([f.view for f in mine],
                            [flat[f.at:f.at + (f.end - f.begin)] for f in mine], 1.0)
