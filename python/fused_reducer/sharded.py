@@ -27,7 +27,11 @@ format under the old fragments (state_dict(), collective), and loaded under the 
 (load_state_dict()): the same two functions a checkpoint uses, so there is one way state moves.
 
 step() consumes the gradients (the all-gather reuses their buckets): a second step() before the
-next backward updates nothing. After a synchronised backward in sharded mode param.grad is None (the local, unreduced
+next backward updates nothing. Master weights (master_dtype=torch.float32 with bf16 parameters): the optimizer updates a
+master copy of each fragment in that dtype, copied back (rounded) into the parameter, whose
+dtype the all-gather sends; state_dict() carries the masters as "master_param".
+
+After a synchronised backward in sharded mode param.grad is None (the local, unreduced
 gradients are released once their bucket is reduced): the averaged gradients exist only as
 shards. Clip with ``opt.clip_grad_norm_`` (the norm over all shards); torch utilities that read
 param.grad see no gradient.
@@ -51,11 +55,15 @@ class ShardedOptimizerError(ValueError):
 class _Fragment:
     """The part [begin, end) (storage order) of parameter `index` in this rank's shard of
     bucket `bucket`, at element `at` of the bucket's flat buffer."""
-    __slots__ = ("index", "bucket", "begin", "end", "at", "view")
+    __slots__ = ("index", "bucket", "begin", "end", "at", "view", "opt")
 
-    def __init__(self, index, bucket, begin, end, at, param):
+    def __init__(self, index, bucket, begin, end, at, param, master_dtype):
         self.index, self.bucket, self.begin, self.end, self.at = index, bucket, begin, end, at
         self.view = _storage_order(param.detach())[begin:end]
+        # What the torch optimizer updates: the parameter's own elements, or a master copy of
+        # them in master_dtype (copied back into the parameter after each update).
+        self.opt = (self.view.to(master_dtype, copy=True)
+                    if master_dtype is not None and master_dtype != param.dtype else self.view)
 
 
 def _storage_order(tensor):
@@ -70,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the optimizer's keyword arguments. Collective to construct; switches the reducer to
     reduce-scatter (sharded mode) from its next forward."""
 
-    def __init__(self, model, optimizer_class, params=None, **defaults):
+    def __init__(self, model, optimizer_class, params=None, master_dtype=None, **defaults):
         from .reducer import FusedReducer
         if not isinstance(model, FusedReducer):
             raise ShardedOptimizerError(
@@ -93,6 +101,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.optimizer_class = optimizer_class
         self.model = model
+        self.master_dtype = master_dtype
         indices = {id(p): i for i, p in enumerate(model._reducer_params())}
         for group in self.param_groups:
             for p in group["params"]:
@@ -146,7 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 begin, end = max(lo, offset), min(hi, offset + params[index].numel())
                 if begin < end:
                     fragments.append(_Fragment(index, b, begin - offset, end - offset, begin,
-                                               params[index]))
+                                               params[index], self.master_dtype))
         self._layout = layout
         self._fragments = fragments
         groups = []
@@ -155,7 +164,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # An empty tensor first: torch optimizers refuse empty groups, and a rank may own no
             # fragment of a group; it never has a gradient, so it is never updated.
             mine = [torch.empty(0, device=self.model.device)]
-            mine += [f.view for f in fragments if self._group_of.get(f.index) == g]
+            mine += [f.opt for f in fragments if self._group_of.get(f.index) == g]
             groups.append(dict(options, params=mine))
         self._inner = self.optimizer_class(groups)
         self._attached_step = None
@@ -180,14 +189,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params = self.model._reducer_params()
         for f in self._fragments:
             if used is not None and int(used[f.index]) == 0:
-                f.view.grad = None
+                f.opt.grad = None
                 continue
             grad = flats[f.bucket][f.at:f.at + (f.end - f.begin)]
-            f.view.grad = grad if grad.dtype == params[f.index].dtype else grad.to(params[f.index].dtype)
+            f.opt.grad = grad if grad.dtype == f.opt.dtype else grad.to(f.opt.dtype)
 
     def _gradients(self):
-        return [f.view.grad for f in self._fragments
-                if f.view.grad is not None and f.index in self._group_of]
+        return [f.opt.grad for f in self._fragments
+                if f.opt.grad is not None and f.index in self._group_of]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -243,10 +252,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     mine[key] = value
         self._inner.step()
+        masters = [f for f in self._fragments if f.opt is not f.view]
+        _C.scaled_copy([f.opt for f in masters], [f.view for f in masters], 1.0)
         # The gradients are consumed: the all-gather reuses their buckets. A second step()
         # before the next backward updates nothing.
         for f in self._fragments:
-            f.view.grad = None
+            f.opt.grad = None
         self._cleared_step = self._attached_step
         self._all_gather_parameters()
         return loss
@@ -284,7 +295,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 elif p.grad is not None:
                     p.grad.zero_()
         for f in self._fragments:
-            f.view.grad = None
+            f.opt.grad = None
         self._cleared_step = self.model._reducer.stats()["step"]
         self._attached_step = None
 
@@ -303,7 +314,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Takes the plain optimizer's format (also one saved under DDP, at any world size);
         each rank keeps its fragments' part of it."""
+        # torch casts floating state to the parameter's dtype: keep the masters' own.
+        masters = {i: s["master_param"] for i, s in state_dict["state"].items()
+                   if "master_param" in s}
         super().load_state_dict(state_dict)  # groups' hyperparameters; full state in self.state
+        params_in_order = [p for group in self.param_groups for p in group["params"]]
+        for i, master in masters.items():
+            self.state[params_in_order[i]]["master_param"] = master.to(params_in_order[i].device)
         self._ensure_fragments()
         if self._inner is not None:
             self._distribute_loaded()
@@ -316,7 +333,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # What each rank holds: per parameter, its tensor keys (with dtype) and its other values.
         local = {}
         for f in self._fragments:
-            state = self._inner.state.get(f.view)
+            state = self._fragment_state(f)
             if not state:
                 continue
             entry = local.setdefault(f.index, {})
@@ -343,12 +360,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 full = torch.zeros_like(param, dtype=value)
                 flat = _storage_order(full)
                 for f in self._fragments:
-                    if f.index == index and key in self._inner.state.get(f.view, {}):
-                        flat[f.begin:f.end] = self._inner.state[f.view][key]
+                    if f.index == index:
+                        mine = self._fragment_state(f)
+                        if key in mine:
+                            flat[f.begin:f.end] = mine[key]
                 dist.all_reduce(full, group=self.model.process_group)  # others hold zeros there
                 state[key] = full
             result[plain_of[index]] = state
         return result
+
+    def _fragment_state(self, f):
+        """The optimizer's state of fragment `f`, with its master copy as "master_param"."""
+        state = dict(self._inner.state.get(f.opt, {}))
+        if f.opt is not f.view:
+            state["master_param"] = f.opt
+        return state
 
     def _distribute(self, plain_state):
         """Load {plain index: state} (as _plain_state returns) into the fragments."""
@@ -370,8 +396,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(value) and value.dim() > 0:
                     ordered = torch.empty_like(params[f.index], dtype=value.dtype)
                     ordered.copy_(value)
-                    mine[key] = _storage_order(ordered)[f.begin:f.end].clone()
+                    piece = _storage_order(ordered)[f.begin:f.end]
+                    if key != "master_param":
+                        mine[key] = piece.clone()
+                    elif f.opt is not f.view:
+                        f.opt.copy_(piece)
                 else:
                     mine[key] = value.clone() if torch.is_tensor(value) else value
-            self._inner.state[f.view] = mine
+            self._inner.state[f.opt] = mine
         self.state.clear()
