@@ -149,12 +149,13 @@ COVERAGE = {
         A + "test_prepare_for_backward_averages_one_more_backward_of_the_same_forward",
         "test_lightning.py::test_manual_optimization_two_backward_passes_per_step",
     ],
-    "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, **kwargs)`": [
+    "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, master_dtype=None, **kwargs)`": [
         "test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change",
         "test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released",
         "test_sharded.py::test_state_per_rank_is_one_world_th_of_the_plain_optimizers",
         "test_sharded.py::test_a_ddp_checkpoint_resumes_here_and_back",
         "test_sharded.py::test_non_elementwise_optimizers_and_bucket_views_are_refused",
+        "test_sharded.py::test_fp32_master_weights_train_like_a_single_process_fp32_master",
     ],
     "`close()`": [
         "test_mutant_killers.py::test_close_is_idempotent_and_final",
