@@ -112,6 +112,24 @@ def test_step_adds_forward_copy_back_and_rest():
         predict_step(compute, ((0,),), [1, 1, 1], lambda n: 1.0, overlap="sideways")
 
 
+def test_sharded_mode_is_a_ring_pass_in_backward_plus_an_exposed_all_gather():
+    """ShardedOptimizer: reduce-scatter and all-gather are each half of the ring all-reduce
+    (world - 1 steps of 1/world); the all-gather runs after the step, exposed."""
+    from fused_reducer.costmodel import StepCompute, predict_sharded_step
+    net = network()
+    # 8 ranks, 1 node, 1 MB: 5 + 7 hops * 2 us + 7/8 * 1e6 / 1e5 = 27.75 us
+    assert net.ring_pass_us(1e6, 8, 8) == pytest.approx(27.75)
+    assert net.ring_pass_us(1e6, 8, 8) < net.ring_us(1e6, 8, 8) / 2 + 5
+    assert net.ring_pass(16, 8)(1e6) == pytest.approx(5 + 14 * 2 + 1 * 10 + 15 / 16 * 1e6 / 1e5)
+    compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9)
+    # the reduce-scatters end at 80 as in test_step_adds_forward_copy_back_and_rest's timeline;
+    # no copy back; the all-gathers (40 + 20 us) follow the step
+    p = predict_sharded_step(compute, ((0, 2), (1,)), [1000, 1000, 2000], lambda n: 10 + n / 100)
+    assert p.step_us == pytest.approx(100 + 80 + 3 + 60, abs=1e-3)
+    assert p.exposed_us == pytest.approx(10 + 60, abs=1e-3)
+    assert p.comm_us == pytest.approx(60 + 60)
+
+
 def test_calibration_reproduces_its_measurements_and_fits_launch_and_hop_across_worlds():
     from fused_reducer.costmodel import calibrated_network
     launch, hop, bw = 20.0, 30.0, 1000.0
@@ -202,7 +220,7 @@ def test_cli_json_schema_plot_and_text(tmp_path, capsys):
                       "ib400", "--json", str(out), "--plot", str(png)])
     assert code == 0
     text = capsys.readouterr().out
-    assert "PREDICTIONS" in text and "DDP default (1M, 25M, off)" in text
+    assert "PREDICTIONS" in text and "DDP default (1M, 25M, off)" in text and "sharded (" in text
     assert "measured:" in text and "ASSUMED" in text and "not measured here" in text
     data = json.loads(out.read_text())
     assert data["format"] == "fused_reducer.plan" and data["version"] == 1
@@ -220,6 +238,14 @@ def test_cli_json_schema_plot_and_text(tmp_path, capsys):
         assert e["ddp_default"]["bucket_cap_bytes"] == 25 * MiB
         assert e["best"]["step_ms"] <= e["ddp_default"]["step_ms"]
         assert e["best"] == e["best_layouts"][0]
+        sharded, mine = e["sharded_profile_limits"], e["profile_limits"]
+        assert ROW_KEYS <= set(sharded) and sharded["buckets"] == mine["buckets"]
+        # a reduce-scatter and an all-gather are the two halves of a ring all-reduce: never less
+        # communication in all; on one node (ring everywhere) the same plus a launch per bucket
+        assert sharded["comm_ms"] >= 0.99 * mine["comm_ms"]
+        if e["nodes"] == 1:
+            launches_ms = sharded["buckets"] * data["network"]["launch_us"] / 1e3
+            assert sharded["comm_ms"] <= mine["comm_ms"] + launches_ms + 1e-6
         assert e["gain_vs_ddp_ms"] == pytest.approx(
             e["ddp_default"]["step_ms"] - e["best"]["step_ms"])
         assert all(ROW_KEYS <= set(r) for r in e["grid"])

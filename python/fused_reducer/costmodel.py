@@ -194,6 +194,16 @@ class Network:
                                         + int(math.log2(nodes)) * self.inter.hop_us)
         return latency + 2 * nbytes / self.bus_bytes_per_us(nbytes, world, per_node)
 
+    def ring_pass_us(self, nbytes, world, per_node):
+        """One ring reduce-scatter (or all-gather) of an `nbytes` buffer: half of ring_us's
+        all-reduce, world - 1 steps each moving 1/world of it (NCCL runs both as rings)."""
+        nodes = world // per_node
+        steps, inter_steps = world - 1, nodes - 1
+        latency = (self.launch_us + (steps - inter_steps) * self.intra.hop_us
+                   + inter_steps * self.inter.hop_us)
+        return latency + (world - 1) / world * nbytes / self.bus_bytes_per_us(
+            nbytes, world, per_node)
+
     def allreduce(self, nbytes, world, per_node):
         """(microseconds, "ring" or "tree") of one all-reduce: the faster of the two."""
         check_topology(world, per_node)
@@ -205,6 +215,11 @@ class Network:
         """nbytes -> microseconds at this world size: what CostModel takes."""
         check_topology(world, per_node)
         return lambda nbytes: self.allreduce(nbytes, world, per_node)[0]
+
+    def ring_pass(self, world, per_node):
+        """nbytes -> microseconds of a reduce-scatter or all-gather (sharded mode)."""
+        check_topology(world, per_node)
+        return lambda nbytes: self.ring_pass_us(nbytes, world, per_node)
 
 
 def check_topology(world, per_node):
@@ -415,6 +430,21 @@ def overlap_cost(overlap):
         return float(overlap)
     raise ValueError(f"overlap must be 'free', 'contended' or a number in [0, 1], got "
                      f"{overlap!r}")
+
+
+def predict_sharded_step(compute, layout, sizes, ring_pass_us, overlap="free"):
+    """Predicted step of `layout` in sharded mode (ShardedOptimizer): each bucket is
+    reduce-scattered as it completes (the same timeline, at a ring pass's cost), nothing is
+    copied back into .grad, and after the optimizer step every bucket's parameters are
+    all-gathered, exposed (it runs at the end of step()). The rest of the step (other_us,
+    optimizer included) is kept whole: that each rank updates 1/world of the parameters is not
+    modelled, so the prediction errs slow."""
+    cost_of_overlap = overlap_cost(overlap)
+    cost = CostModel(ring_pass_us, compute.copy_bytes_per_us)
+    t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
+    gather = sum(ring_pass_us(sum(sizes[i] for i in bucket)) for bucket in layout)
+    step = compute.forward_us + t.end_us(cost_of_overlap) + compute.other_us + gather
+    return StepPrediction(step, t.exposed_us + gather, t.comm_us + gather, len(layout))
 
 
 def predict_step(compute, layout, sizes, collective_us, overlap="free"):

@@ -21,7 +21,8 @@ import sys
 
 from .costmodel import (DDP_DEFAULT, MiB, CostModel, Gradients, Link, Network,
                         ProbedCollective, calibrated_network, candidate_from_json, candidate_grid,
-                        check_topology, limits_json, overlap_cost, predict_step)
+                        check_topology, limits_json, overlap_cost, predict_sharded_step,
+                        predict_step)
 from .profile import ProfileError, load_profile, step_compute
 
 PLAN_FORMAT = "fused_reducer.plan"
@@ -304,6 +305,12 @@ class Planner:
                          self.network.collective(world, per_node), self.overlap_cost)
         return p._replace(step_us=p.step_us + self.residual_us)
 
+    def predict_sharded_layout(self, layout, world, per_node):
+        """The same layout in sharded mode (ShardedOptimizer: reduce-scatter + all-gather)."""
+        p = predict_sharded_step(self.compute, layout, self.gradients.sizes,
+                                 self.network.ring_pass(world, per_node), self.overlap_cost)
+        return p._replace(step_us=p.step_us + self.residual_us)
+
 
 def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="auto",
               compute_scale=1.0, top=3, profile_path=None, calibration_metas=None):
@@ -333,11 +340,16 @@ def make_plan(profile, worlds, network, inputs, gpus_per_node=None, overlap="aut
 
         ddp, mine = row(DDP_DEFAULT), row(incumbent)
         best = row(layouts[ranking[0]], ranking[0])
+        shard = planner.predict_sharded_layout(layout_of[incumbent], world, per_node)
+        sharded = {**limits_json(incumbent), "buckets": shard.buckets,
+                   "step_ms": shard.step_us / 1e3, "exposed_comm_ms": shard.exposed_us / 1e3,
+                   "comm_ms": shard.comm_us / 1e3}
         sample_us, algorithm = network.allreduce(25 * MiB, world, per_node)
         entries.append({
             "world_size": world, "gpus_per_node": per_node, "nodes": world // per_node,
             "allreduce_25MiB": {"us": sample_us, "algorithm": algorithm},
             "ddp_default": ddp, "profile_limits": mine, "best": best,
+            "sharded_profile_limits": sharded,
             "best_layouts": [row(layouts[k], k) for k in ranking[:top]],
             "gain_vs_ddp_ms": ddp["step_ms"] - best["step_ms"],
             "gain_vs_ddp_pct": 100 * (ddp["step_ms"] - best["step_ms"]) / ddp["step_ms"],
@@ -444,6 +456,9 @@ def format_plan(plan):
                     if label == "DDP default" else " " * 25)
             lines.append(f"{head}  {label + ' ' + _triple(r):<40} {r['buckets']:7d} "
                          f"{r['step_ms']:9.2f} {r['exposed_comm_ms']:11.2f} {r['comm_ms']:9.2f}")
+        r = e["sharded_profile_limits"]
+        lines.append(f"{'':25}  {'sharded ' + _triple(r):<40} {r['buckets']:7d} "
+                     f"{r['step_ms']:9.2f} {r['exposed_comm_ms']:11.2f} {r['comm_ms']:9.2f}")
         lines.append(f"{'':27}gain of best vs DDP default: {e['gain_vs_ddp_ms']:.2f} ms "
                      f"({e['gain_vs_ddp_pct']:.1f} %); vs profile: "
                      f"{e['gain_vs_profile_ms']:.2f} ms; 25 MiB all-reduce "
