@@ -4,6 +4,8 @@ train with AdamW across ranks (issue 23):
     ddp      DistributedDataParallel (DDP's best settings) + torch.optim.AdamW
     sharded  FusedReducer + fused_reducer.ShardedOptimizer(AdamW): reduce-scatter in backward,
              each rank updates its shard, all-gather after the step
+    sharded-overlap  the same with overlap_param_gather=True: the all-gathers finish in the
+             next forward, module by module
     zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
 
 The three run interleaved, one step each per round, on the same model and data; the medians of
@@ -27,7 +29,7 @@ import fused_reducer  # noqa: E402
 from common import add_launch_args, ddp_best_kwargs, launch, median, print0  # noqa: E402
 from models import ModelSpec, expand  # noqa: E402
 
-WAYS = ("ddp", "sharded", "zero")
+WAYS = ("ddp", "sharded", "sharded-overlap", "zero")
 
 
 def state_bytes(states):
@@ -38,10 +40,11 @@ def state_bytes(states):
 def build(way, spec, ctx, args):
     module = spec.build(ctx.device)
     kwargs = dict(lr=1e-4, weight_decay=0.1)
-    if way == "sharded":
+    if way.startswith("sharded"):
         model = fused_reducer.FusedReducer(module, first_bucket_mb=args.first_mb,
                                            bucket_cap_mb=args.cap_mb)
-        return model, fused_reducer.ShardedOptimizer(model, torch.optim.AdamW, **kwargs)
+        return model, fused_reducer.ShardedOptimizer(
+            model, torch.optim.AdamW, overlap_param_gather=way == "sharded-overlap", **kwargs)
     ddp_kwargs, why = ddp_best_kwargs(args.first_mb, args.cap_mb)
     if why:
         raise SystemExit(f"sharded_bench: {why}; use --first-mb equal to --cap-mb")
@@ -52,7 +55,7 @@ def build(way, spec, ctx, args):
 
 
 def optimizer_state(way, opt):
-    if way == "sharded":
+    if way.startswith("sharded"):
         return state_bytes(opt._inner.state.values()) if opt._inner is not None else 0
     if way == "zero":
         return state_bytes(opt.optim.state.values())
@@ -88,7 +91,7 @@ def worker(ctx, args):
                     f"{args.steps} timed steps; max |ddp - sharded| parameter {diff:.2e})")
         for way in WAYS:
             per_rank = [g[way] for g in gathered]
-            print0(ctx, f"  {way:8s} step {median(times[way]) * 1e3:8.1f} ms  "
+            print0(ctx, f"  {way:15s} step {median(times[way]) * 1e3:8.1f} ms  "
                         f"ratio {median(times[way]) / base:5.3f}  optimizer state per rank "
                         f"{', '.join(f'{b / 2**20:.1f}' for b in per_rank)} MiB")
         for model, opt in built.values():

@@ -5,6 +5,8 @@ Against DDP + the same torch optimizer on the same data, at 2 and 3 ranks, on bo
 - every supported optimizer (foreach and not), through a limit change mid-training (the shards
   move and the state moves with them), with an LR scheduler: the same parameters, bit-identical
   at 2 ranks (the same sums in the same order) and within 1e-6 at 3;
+- overlap_param_gather: the all-gathers left in flight by step() are finished by the next
+  forward (module pre-hooks) and by model.state_dict(); parameters still DDP's;
 - clip_grad_norm_: DDP's norm (torch.nn.utils.clip_grad_norm_) and DDP's parameters after it;
 - no_sync accumulation and find_unused_parameters (a parameter no rank uses is not updated);
 - reduce_dtype=bf16 (bf16 shards, fp32 update) equals the unsharded FusedReducer's arithmetic,
@@ -99,6 +101,37 @@ def check_optimizers_match_ddp(rank, world):
                 ours.backend, ours.stats()["rebuilds"])
             ours.close()
     return diffs
+
+
+def check_overlapped_param_gather(rank, world):
+    """overlap_param_gather=True: step() leaves the all-gathers in flight, the next forward's
+    module pre-hooks finish them; parameters still DDP's, and model.state_dict() right after
+    step() already holds the updated values."""
+    out = {}
+    for backend in BACKENDS:
+        ours = FusedReducer(_net(), backend=backend, bucket_cap_mb=2 * KB / 2**20,
+                            first_bucket_mb=KB / 2**20)
+        opt = ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, overlap_param_gather=True)
+        ddp = DDP(_net())
+        ref = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        in_flight, saved_diff = [], 0.0
+        for step in range(6):
+            if step == 3:
+                ours.first_bucket_bytes = 3 * KB
+            x, y = _batch(rank, step)
+            for model, o in ((ours, opt), (ddp, ref)):
+                o.zero_grad()
+                _loss(model, x, y).backward()
+                o.step()
+            in_flight.append(len(opt._gathers))
+            if step == 4:
+                saved = ours.state_dict()
+                saved_diff = max((saved["module." + k] - v).abs().max().item()
+                                 for k, v in ddp.module.state_dict().items())
+        out[backend] = (_max_diff(ours.module.parameters(), ddp.module.parameters())
+                        if not opt.finish_param_gather() else None, in_flight, saved_diff)
+        ours.close()
+    return out
 
 
 def check_clip_grad_norm(rank, world):
@@ -323,7 +356,7 @@ def check_refusals(rank, world):
     return messages
 
 
-CHECKS = [check_optimizers_match_ddp, check_clip_grad_norm, check_no_sync_and_unused,
+CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm, check_no_sync_and_unused,
           check_reduce_dtype_and_autocast, check_master_weights, check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
 
 
@@ -343,6 +376,15 @@ def test_every_elementwise_optimizer_matches_ddp_through_a_layout_change(outcome
             assert used == backend, (backend, used)
             assert rebuilds >= 2, "the limit change must have moved the shards"
             assert diff <= _bound(world), (backend, name, kwargs, diff)
+
+
+def test_overlapped_parameter_all_gather_is_finished_by_the_next_forward(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_overlapped_param_gather"):
+        for backend, (diff, in_flight, saved_diff) in out.items():
+            assert all(n > 0 for n in in_flight), ("step() left nothing in flight", in_flight)
+            assert diff <= _bound(world), (backend, diff)
+            assert saved_diff <= _bound(world), (backend, saved_diff)
 
 
 def test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released(outcomes):

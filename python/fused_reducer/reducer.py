@@ -218,6 +218,7 @@ class FusedReducer(nn.Module, Joinable):
             state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
             state["_reduce_dtype"] = self.reduce_dtype
         for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
+                          "_sharded_optimizer",
                           "_closed"):
             state[transient] = None
         return state
@@ -230,6 +231,7 @@ class FusedReducer(nn.Module, Joinable):
     def forward(self, *args, **kwargs):
         self._pre_forward()
         output = self.module(*args, **kwargs)
+        self._finish_param_gather()  # before backward refills the buckets
         if self.find_unused_parameters and self._require_forward_param_sync:
             self._hook_outputs(output)
         return output
@@ -324,7 +326,20 @@ class FusedReducer(nn.Module, Joinable):
         """The trainable parameters, in the reducer's index order."""
         return self._params
 
-    def _use_sharded_optimizer(self):
+    @torch.compiler.disable
+    def _finish_param_gather(self):
+        """A ShardedOptimizer's parameter all-gathers left in flight by step()
+        (overlap_param_gather): finished. See Note [Overlapped parameter all-gather]."""
+        optimizer = self.__dict__.get("_sharded_optimizer")
+        optimizer = optimizer() if optimizer is not None else None
+        if optimizer is not None and optimizer._gathers:
+            optimizer.finish_param_gather()
+
+    def state_dict(self, *args, **kwargs):
+        self._finish_param_gather()
+        return super().state_dict(*args, **kwargs)
+
+    def _use_sharded_optimizer(self, optimizer):
         """A ShardedOptimizer was constructed for this model: reduce-scatter from the next forward
         on (Note [Sharded mode] in ext/reducer.cpp). Collective in effect: every rank constructs
         it."""
@@ -334,6 +349,7 @@ class FusedReducer(nn.Module, Joinable):
                 "ShardedOptimizer first, or let autotune finish (autotune_report()['done'])")
         self._reducer.set_sharded(True)  # raises naming what it cannot combine with
         self._sharded = True
+        self._sharded_optimizer = weakref.ref(optimizer)
 
     def join_hook(self, **kwargs):
         if getattr(self, "_sharded", False):

@@ -31,6 +31,17 @@ next backward updates nothing. Master weights (master_dtype=torch.float32 with b
 master copy of each fragment in that dtype, copied back (rounded) into the parameter, whose
 dtype the all-gather sends; state_dict() carries the masters as "master_param".
 
+Note [Overlapped parameter all-gather]
+By default step() waits for the parameter all-gathers. With overlap_param_gather=True it only
+launches them: each bucket's is finished by a forward pre-hook of the first module owning one of
+its parameters, so the all-gather of the last buckets (the first layers) overlaps the start of the
+next forward, and what is left is finished when forward returns (FusedReducer.forward), before
+backward writes the buckets again. The rule that makes it exact: every parameter is read in the
+forward through a module that owns it (a module's own parameters, tied weights included); a
+parameter read functionally by another module (F.linear(x, self.embed.weight) in a parent) or
+outside forward (an EMA right after step()) would see its previous value until
+finish_param_gather() (which step(), clip_grad_norm_, state_dict() and model.state_dict() call).
+
 After a synchronised backward in sharded mode param.grad is None (the local, unreduced
 gradients are released once their bucket is reduced): the averaged gradients exist only as
 shards. Clip with ``opt.clip_grad_norm_`` (the norm over all shards); torch utilities that read
@@ -78,7 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the optimizer's keyword arguments. Collective to construct; switches the reducer to
     reduce-scatter (sharded mode) from its next forward."""
 
-    def __init__(self, model, optimizer_class, params=None, master_dtype=None, **defaults):
+    def __init__(self, model, optimizer_class, params=None, master_dtype=None,
+                 overlap_param_gather=False, **defaults):
         from .reducer import FusedReducer
         if not isinstance(model, FusedReducer):
             raise ShardedOptimizerError(
@@ -102,6 +114,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.model = model
         self.master_dtype = master_dtype
+        # Note [Overlapped parameter all-gather]
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
+        self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
         indices = {id(p): i for i, p in enumerate(model._reducer_params())}
         for group in self.param_groups:
             for p in group["params"]:
@@ -112,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._index = indices
         self._group_of = {indices[id(p)]: g for g, group in enumerate(self.param_groups)
                           for p in group["params"]}
-        model._use_sharded_optimizer()
+        model._use_sharded_optimizer(self)
         self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
         self._fragments = []     # this rank's fragments, bucket by bucket
         self._inner = None       # optimizer_class over the fragments
@@ -135,6 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = self._current_layout()
         if layout is None or layout == self._layout:
             return
+        self.finish_param_gather()
         moved = self._plain_state() if self._inner is not None else None
         self._build(layout)
         if moved is not None:
@@ -203,6 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, as under DDP:
         the norm of all averaged gradients (summed over the shards: collective), and every shard
         scaled by max_norm / (norm + 1e-6) when that is below 1. Returns the total norm."""
+        self.finish_param_gather()
         self._attach_gradients()
         grads = self._gradients()
         norm_type = float(norm_type)
@@ -241,6 +259,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "skip the step on every rank. Train with bf16 autocast (no loss scaling needed), "
                 "or use a plain optimizer with GradScaler.")
         loss = None
+        self.finish_param_gather()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -266,12 +285,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every bucket's parameters from their owners: this rank's fragments (just updated)
         into a flat buffer shaped like the bucket, all-gathered in place, then copied out. The
         buffer is the bucket itself where the dtypes agree: its gradients were consumed by the
-        update, and the next backward overwrites it anyway (no memory beyond DDP's buckets)."""
+        update, and the next backward overwrites it anyway (no memory beyond DDP's buckets).
+        All are launched at once; they are finished here, or with overlap_param_gather by the
+        next forward (Note [Overlapped parameter all-gather])."""
         params = self.model._reducer_params()
-        bucket_params, bucket_offsets, numels = self._layout
+        bucket_params, _, numels = self._layout
         buckets = self.model._reducer.bucket_flats()
         transport = self.model._transport
-        flats, pending = [], []
         for b, (indices, numel) in enumerate(zip(bucket_params, numels)):
             dtype = params[indices[0]].dtype
             flat = (buckets[b] if buckets[b].dtype == dtype
@@ -279,13 +299,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine = [f for f in self._fragments if f.bucket == b]
             _C.scaled_copy([f.view for f in mine],
                            [flat[f.at:f.at + (f.end - f.begin)] for f in mine], 1.0)
-            flats.append(flat)
-            pending.append(transport.all_gather(flat, f"parameters of bucket {b}"))
-        for b, work in enumerate(pending):
+            self._gathers[b] = (transport.all_gather(flat, f"parameters of bucket {b}"), flat)
+        if self.overlap_param_gather:
+            self._install_gather_hooks()
+        else:
+            self.finish_param_gather()
+
+    def finish_param_gather(self, buckets=None):
+        """Wait for the parameter all-gathers still in flight (of `buckets`, default all) and
+        copy them into the parameters. Only needed by hand with overlap_param_gather=True,
+        before reading parameters outside the model's forward (an EMA, a checkpoint of
+        model.module): forward, step(), clip_grad_norm_(), state_dict() and model.state_dict()
+        call it."""
+        params = self.model._reducer_params()
+        bucket_params, bucket_offsets, _ = self._layout if self._layout else ((), (), ())
+        for b in sorted(self._gathers if buckets is None else buckets):
+            if b not in self._gathers:
+                continue
+            work, flat = self._gathers.pop(b)
             work.wait(self.model._timeout_s)
             indices, offsets = bucket_params[b], bucket_offsets[b]
-            _C.scaled_copy([flats[b][o:o + params[i].numel()] for i, o in zip(indices, offsets)],
+            _C.scaled_copy([flat[o:o + params[i].numel()] for i, o in zip(indices, offsets)],
                            [_storage_order(params[i].detach()) for i in indices], 1.0)
+
+    def _install_gather_hooks(self):
+        """Once per layout: a forward pre-hook on every module that owns parameters (its own,
+        not its children's), finishing the all-gathers of their buckets just before it runs."""
+        if self._gather_hooks and self._gather_hooks[0] is self._layout:
+            return
+        for handle in self._gather_hooks[1:]:
+            handle.remove()
+        bucket_of = {index: b for b, indices in enumerate(self._layout[0]) for index in indices}
+        position = {id(p): i for i, p in enumerate(self.model._reducer_params())}
+        handles = [self._layout]
+        for module in self.model.module.modules():
+            owned = {bucket_of[position[id(p)]] for p in module._parameters.values()
+                     if p is not None and id(p) in position}
+            if owned:
+                def finish(module, args, owned=tuple(sorted(owned))):
+                    if self._gathers:
+                        self.finish_param_gather(owned)
+                handles.append(module.register_forward_pre_hook(finish))
+        self._gather_hooks = handles
 
     def zero_grad(self, set_to_none=True):
         for group in self.param_groups:
@@ -303,6 +358,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The plain optimizer's state_dict (what optimizer_class over the same parameter groups
         would return, e.g. under DDP): consolidated from every rank's fragments. Collective."""
+        self.finish_param_gather()
         self._ensure_fragments()
         # param_groups with parameter indices; self.state holds only a state loaded before the
         # first sharded layout existed (then that is the answer).
