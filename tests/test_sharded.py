@@ -264,6 +264,88 @@ def check_master_weights(rank, world):
     return out
 
 
+class _UsedOnce(_WithUnused):
+    """`unused` takes part in the first forward only."""
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.used(x) + (self.unused(x) if self.calls == 1 else 0)
+
+
+def check_edge_cases(rank, world):
+    """What a review found (each failed before its fix): two synchronised backward passes
+    before step() raise; add_param_group after construction updates the new group like DDP +
+    the plain optimizer; frozen parameters are accepted; zero_grad(set_to_none=False) keeps zero
+    gradients for a parameter no rank used (Adam moves it on momentum, as under DDP); a master
+    checkpoint (master_dtype) resumes."""
+    out = {}
+    ours = FusedReducer(_net(), backend="process_group")
+    opt = ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    for micro in range(2):
+        x, y = _batch(rank, micro)
+        _loss(ours, x, y).backward()
+    try:
+        opt.step()
+    except ShardedOptimizerError as e:
+        out["two synced"] = str(e)
+    ours.close()
+
+    ours = FusedReducer(_net(), backend="process_group")
+    ddp = DDP(_net())
+    mine, theirs = list(ours.module.parameters()), list(ddp.module.parameters())
+    opt = ShardedOptimizer(ours, torch.optim.SGD, params=mine[:2], lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(theirs[:2], lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": mine[2:], "lr": 0.05})
+            ref.add_param_group({"params": theirs[2:], "lr": 0.05})
+        x, y = _batch(rank, step)
+        for model, o in ((ours, opt), (ddp, ref)):
+            o.zero_grad()
+            _loss(model, x, y).backward()
+            o.step()
+    out["add_param_group"] = _max_diff(mine, theirs)
+    ours.close()
+
+    frozen = _net()
+    frozen[0].weight.requires_grad_(False)
+    ours = FusedReducer(frozen, backend="process_group")
+    ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    out["frozen"] = True
+    ours.close()
+
+    ours = FusedReducer(_UsedOnce(), backend="process_group", find_unused_parameters=True)
+    ddp = DDP(_UsedOnce(), find_unused_parameters=True)
+    opt = ShardedOptimizer(ours, torch.optim.Adam, lr=1e-2)
+    ref = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    for step in range(3):
+        for model, o in ((ours, opt), (ddp, ref)):
+            o.zero_grad(set_to_none=False)
+            x, y = _batch(rank, step)
+            _loss(model, x, y).backward()
+            o.step()
+    out["zeros kept"] = _max_diff(ours.module.parameters(), ddp.module.parameters())
+    ours.close()
+
+    ours = FusedReducer(_net().to(torch.bfloat16), backend="process_group")
+    opt = ShardedOptimizer(ours, torch.optim.AdamW, master_dtype=torch.float32, lr=1e-2)
+    for step in range(5):
+        if step == 3:
+            opt.load_state_dict(opt.state_dict())  # a checkpoint round trip mid-training
+            saved = opt.state_dict()
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        _loss(ours, x.bfloat16(), y.bfloat16()).float().backward()
+        opt.step()
+    out["master dtypes"] = sorted({str(v.dtype) for s_ in saved["state"].values()
+                                   for k, v in s_.items() if k != "step"})
+    ours.close()
+    return out
+
+
 def check_state_bytes(rank, world):
     def state_bytes(states):
         return sum(v.numel() * v.element_size() for s in states for v in s.values()
@@ -357,7 +439,8 @@ def check_refusals(rank, world):
 
 
 CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm, check_no_sync_and_unused,
-          check_reduce_dtype_and_autocast, check_master_weights, check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
+          check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
+          check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -426,6 +509,16 @@ def test_fp32_master_weights_train_like_a_single_process_fp32_master(outcomes):
             assert dtypes == {torch.bfloat16}, "the parameters stay bf16"
             assert with_master <= 1e-2, (backend, with_master)
             assert with_master < without, (backend, with_master, without)
+
+
+def test_accumulation_groups_frozen_parameters_kept_zeros_and_master_checkpoints(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_edge_cases"):
+        assert "no_sync" in out["two synced"] and "2 synchronised" in out["two synced"]
+        assert out["add_param_group"] <= _bound(world), out["add_param_group"]
+        assert out["frozen"]
+        assert out["zeros kept"] <= _bound(world), out["zeros kept"]
+        assert out["master dtypes"] == ["torch.float32"], out["master dtypes"]
 
 
 def test_state_per_rank_is_one_world_th_of_the_plain_optimizers(outcomes):

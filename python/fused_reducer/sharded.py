@@ -27,7 +27,10 @@ format under the old fragments (state_dict(), collective), and loaded under the 
 (load_state_dict()): the same two functions a checkpoint uses, so there is one way state moves.
 
 step() consumes the gradients (the all-gather reuses their buckets): a second step() before the
-next backward updates nothing. Master weights (master_dtype=torch.float32 with bf16 parameters): the optimizer updates a
+next backward updates nothing. Only the last synchronised backward's shard is kept, so two of
+them before step() raise (accumulate micro-batches under model.no_sync() instead, which gives
+the same gradients). A parameter changed outside the optimizer (module.load_state_dict) wins
+over its master copy wherever the master no longer rounds to it. Master weights (master_dtype=torch.float32 with bf16 parameters): the optimizer updates a
 master copy of each fragment in that dtype, copied back (rounded) into the parameter, whose
 dtype the all-gather sends; state_dict() carries the masters as "master_param".
 
@@ -77,6 +80,16 @@ class _Fragment:
                     if master_dtype is not None and master_dtype != param.dtype else self.view)
 
 
+def _dense(tensor):
+    """Its elements fill one stretch of memory without gaps or overlaps (any order)."""
+    if tensor.numel() <= 1:
+        return True
+    if any(stride < 0 for stride in tensor.stride()):
+        return False
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return span == tensor.numel()
+
+
 def _storage_order(tensor):
     """A 1-D view of a dense tensor in the order its elements sit in memory (the order of its
     bucket slot: Note [Slot layout])."""
@@ -118,16 +131,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.overlap_param_gather = bool(overlap_param_gather)
         self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
-        indices = {id(p): i for i, p in enumerate(model._reducer_params())}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in indices:
-                    raise ShardedOptimizerError(
-                        "ShardedOptimizer: a parameter of the given params is not a trainable "
-                        "parameter of the model wrapped by this FusedReducer")
-        self._index = indices
-        self._group_of = {indices[id(p)]: g for g, group in enumerate(self.param_groups)
-                          for p in group["params"]}
+        self._index = {id(p): i for i, p in enumerate(model._reducer_params())}
+        self._group_of = {}
+        for g, group in enumerate(self.param_groups):
+            self._adopt(g, group)
         model._use_sharded_optimizer(self)
         self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
         self._fragments = []     # this rank's fragments, bucket by bucket
@@ -137,6 +144,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # zero_grad() updates nothing, as with a plain optimizer.
         self._attached_step = None
         self._cleared_step = model._reducer.stats()["step"]
+        self._zeros_kept = False  # the last zero_grad() was set_to_none=False
+        self._layout_changed = False
+
+    def _adopt(self, g, group):
+        """Checks group `g`'s parameters and maps the model's to it. Frozen parameters
+        (requires_grad=False, not reduced) are kept in the group and never updated, as a plain
+        optimizer never updates a parameter without a gradient."""
+        for p in group["params"]:
+            if id(p) not in self._index:
+                if p.requires_grad:
+                    raise ShardedOptimizerError(
+                        "ShardedOptimizer: a parameter of the given params (shape "
+                        f"{tuple(p.shape)}) is not a parameter of the model wrapped by this "
+                        "FusedReducer")
+                continue
+            if not _dense(p):
+                name = self.model._param_names[self._index[id(p)]]
+                raise ShardedOptimizerError(
+                    f"ShardedOptimizer: parameter '{name}' (sizes {tuple(p.shape)}, strides "
+                    f"{p.stride()}) is not dense in memory (a view with gaps); shards are cut in "
+                    "memory order. Make it a contiguous parameter (nn.Parameter(t.contiguous()))")
+            self._group_of[self._index[id(p)]] = g
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, "_group_of"):  # after construction: the fragments are rebuilt (state kept)
+            self._adopt(len(self.param_groups) - 1, self.param_groups[-1])
+            self._layout_changed = True
+
+    def __getstate__(self):
+        raise ShardedOptimizerError(
+            "ShardedOptimizer cannot be pickled or deep-copied (it holds views of the model's "
+            "parameters and its communicator); save opt.state_dict(), which is the plain "
+            "optimizer's format, and load it into a new ShardedOptimizer")
 
     # -- the fragments ---------------------------------------------------------------------------
     def _current_layout(self):
@@ -149,8 +190,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Build the fragments for the layout in force; when the layout changed, move the state
         (Note [Sharded optimizer])."""
         layout = self._current_layout()
-        if layout is None or layout == self._layout:
+        if layout is None or (layout == self._layout and not self._layout_changed):
             return
+        self._layout_changed = False
         self.finish_param_gather()
         moved = self._plain_state() if self._inner is not None else None
         self._build(layout)
@@ -171,8 +213,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for index, offset in zip(indices, offsets):
                 begin, end = max(lo, offset), min(hi, offset + params[index].numel())
                 if begin < end:
+                    master = self.master_dtype if index in self._group_of else None
                     fragments.append(_Fragment(index, b, begin - offset, end - offset, begin,
-                                               params[index], self.master_dtype))
+                                               params[index], master))
         self._layout = layout
         self._fragments = fragments
         groups = []
@@ -199,14 +242,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         self._attached_step = step
         if step == self._cleared_step:
-            return  # no synchronised backward since zero_grad(): no gradient
+            # No synchronised backward since zero_grad() (or the last step()): no gradient, or
+            # zeros after zero_grad(set_to_none=False), as a plain optimizer would see.
+            for f in self._fragments:
+                f.opt.grad = torch.zeros_like(f.opt) if self._zeros_kept else None
+            return
+        if step > self._cleared_step + 1:
+            raise ShardedOptimizerError(
+                f"ShardedOptimizer: {step - self._cleared_step} synchronised backward passes "
+                "since the last step() or zero_grad(); with sharded gradients only the last one "
+                "is kept. Accumulate micro-batches inside model.no_sync() and synchronise only "
+                "the last backward (the same gradients, less communication), or call step() "
+                "after each backward.")
         flats = reducer.bucket_flats()
         used = reducer.joined_used_map() if self.model.find_unused_parameters else None
         used = used.cpu() if used is not None else None
         params = self.model._reducer_params()
         for f in self._fragments:
             if used is not None and int(used[f.index]) == 0:
-                f.opt.grad = None
+                f.opt.grad = torch.zeros_like(f.opt) if self._zeros_kept else None
                 continue
             grad = flats[f.bucket][f.at:f.at + (f.end - f.begin)]
             f.opt.grad = grad if grad.dtype == f.opt.dtype else grad.to(f.opt.dtype)
@@ -270,8 +324,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for key, value in group.items():  # LR schedulers change the outer groups
                 if key != "params":
                     mine[key] = value
-        self._inner.step()
         masters = [f for f in self._fragments if f.opt is not f.view]
+        for f in masters:
+            # A parameter changed outside the optimizer (module.load_state_dict, a re-initialised
+            # head) no longer matches its master's rounding: the parameter's value wins there.
+            changed = f.view != f.opt.to(f.view.dtype)
+            f.opt.copy_(torch.where(changed, f.view.to(f.opt.dtype), f.opt))  # no host sync
+        self._inner.step()
         _C.scaled_copy([f.opt for f in masters], [f.view for f in masters], 1.0)
         # The gradients are consumed: the all-gather reuses their buckets. A second step()
         # before the next backward updates nothing.
@@ -351,6 +410,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad.zero_()
         for f in self._fragments:
             f.opt.grad = None
+        self._zeros_kept = not set_to_none
         self._cleared_step = self.model._reducer.stats()["step"]
         self._attached_step = None
 
@@ -370,13 +430,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Takes the plain optimizer's format (also one saved under DDP, at any world size);
         each rank keeps its fragments' part of it."""
-        # torch casts floating state to the parameter's dtype: keep the masters' own.
-        masters = {i: s["master_param"] for i, s in state_dict["state"].items()
-                   if "master_param" in s}
+        # torch casts floating state to the parameter's dtype: keep the checkpoint's own (fp32
+        # moments and masters of bf16 parameters); each fragment takes its optimizer's dtype.
+        tensors = {(i, k): v for i, s in state_dict["state"].items() for k, v in s.items()
+                   if torch.is_tensor(v) and v.dim() > 0}
         super().load_state_dict(state_dict)  # groups' hyperparameters; full state in self.state
         params_in_order = [p for group in self.param_groups for p in group["params"]]
-        for i, master in masters.items():
-            self.state[params_in_order[i]]["master_param"] = master.to(params_in_order[i].device)
+        for (i, key), value in tensors.items():
+            self.state[params_in_order[i]][key] = value.to(params_in_order[i].device)
         self._ensure_fragments()
         if self._inner is not None:
             self._distribute_loaded()
@@ -384,20 +445,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _plain_state(self):
         """{plain index: {key: full tensor or value}}, from the fragments of every rank."""
         params = self.model._reducer_params()
-        order = [self._index[id(p)] for group in self.param_groups for p in group["params"]]
-        plain_of = {index: i for i, index in enumerate(order)}
+        plain_of = {self._index[id(p)]: i for i, p in
+                    enumerate(p for group in self.param_groups for p in group["params"])
+                    if id(p) in self._index}
         # What each rank holds: per parameter, its tensor keys (with dtype) and its other values.
         local = {}
         for f in self._fragments:
-            state = self._fragment_state(f)
+            state = self._fragment_state(f) if f.index in plain_of else None
             if not state:
                 continue
             entry = local.setdefault(f.index, {})
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     entry[key] = ("tensor", value.dtype)
-                else:
-                    entry.setdefault(key, ("value", value.cpu() if torch.is_tensor(value) else value))
+                else:  # a step count: kept on its own device (CPU for a non-capturable Adam)
+                    entry.setdefault(key, ("value", (value.cpu(), str(value.device))
+                                           if torch.is_tensor(value) else value))
         everyone = [None] * dist.get_world_size(self.model.process_group)
         dist.all_gather_object(everyone, local, group=self.model.process_group)
         keys = {}
@@ -411,7 +474,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state = {}
             for key, (kind, value) in keys[index].items():
                 if kind == "value":
-                    state[key] = value.to(param.device) if torch.is_tensor(value) else value
+                    state[key] = value[0].to(value[1]) if isinstance(value, tuple) else value
                     continue
                 full = torch.zeros_like(param, dtype=value)
                 flat = _storage_order(full)
@@ -428,7 +491,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _fragment_state(self, f):
         """The optimizer's state of fragment `f`, with its master copy as "master_param"."""
         state = dict(self._inner.state.get(f.opt, {}))
-        if f.opt is not f.view:
+        if state and f.opt is not f.view:
             state["master_param"] = f.opt
         return state
 
@@ -454,7 +517,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     ordered.copy_(value)
                     piece = _storage_order(ordered)[f.begin:f.end]
                     if key != "master_param":
-                        mine[key] = piece.clone()
+                        mine[key] = piece.to(f.opt.dtype, copy=True)
                     elif f.opt is not f.view:
                         f.opt.copy_(piece)
                 else:
