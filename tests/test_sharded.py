@@ -1,10 +1,11 @@
 """ShardedOptimizer (issue 23): each rank keeps the state of, and updates, its shard of every
 bucket; the parameters are all-gathered after the step (Note [Sharded optimizer]).
 
-Against DDP + the same torch optimizer on the same data, at 2 and 3 ranks, on both CPU transports:
+Against DDP + the same torch optimizer on the same data, at 2, 3 and 4 ranks, on both CPU
+transports:
 - every supported optimizer (foreach and not), through a limit change mid-training (the shards
   move and the state moves with them), with an LR scheduler: the same parameters, bit-identical
-  at 2 ranks (the same sums in the same order) and within 1e-6 at 3;
+  at 2 ranks (the same sums in the same order), within 1e-6 at 3 and 1e-5 at 4 (see _bound);
 - overlap_param_gather: the all-gathers left in flight by step() are finished by the next
   forward (module pre-hooks) and by model.state_dict(); parameters still DDP's;
 - clip_grad_norm_: DDP's norm (torch.nn.utils.clip_grad_norm_) and DDP's parameters after it;
@@ -443,13 +444,17 @@ CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_
           check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["world2", "world3", "world4"])
 def outcomes(request):
     return request.param, run_checks(CHECKS, request.param, timeout=600)
 
 
 def _bound(world):
-    return 0.0 if world == 2 else 1e-6
+    """Parameters against DDP's: bit-identical at 2 ranks (a sum of two is the same in either
+    order); otherwise up to the summation order of the reduce-scatter versus DDP's all-reduce
+    (our padded slots put elements at other places of the collective). Measured after 8 steps:
+    at most 1.6e-7 at 3 ranks, 3.6e-6 at 4 (centered RMSprop, whose denominator amplifies it)."""
+    return {2: 0.0, 3: 1e-6}.get(world, 1e-5)
 
 
 def test_every_elementwise_optimizer_matches_ddp_through_a_layout_change(outcomes):
