@@ -9,7 +9,7 @@
 * SyncBatchNorm and CUDA AMP (GradScaler) train as under DDP (world size 1 over NCCL).
 * find_unused_parameters waits for the used map once, on an event; a backward under CUDA graph
   capture is refused with a clear error; a rebuild keeps buckets packed on a side stream until
-  that stream is done with them.
+  that stream is done with them; ShardedOptimizer over NCCL trains like the plain optimizer.
 Skipped without a GPU or without a CUDA build.
 """
 import subprocess
@@ -270,6 +270,30 @@ def test_a_rebuild_keeps_old_buckets_until_their_side_stream_copies_are_done(ncc
                for block in segment["blocks"] if block["state"] == "active_pending_free"]
     torch.cuda.synchronize()
     assert pending, "old buckets were free for reuse while their packing stream was still busy"
+    ours.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sharded_optimizer_over_nccl_trains_like_the_plain_optimizer(nccl_world_of_one, overlap):
+    """ShardedOptimizer on the NCCL transport (ncclReduceScatter / ncclAllGather in place on the
+    reducer's stream) at world size 1: the plain AdamW's parameters, through a layout change."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl", first_bucket_mb=0.01,
+                                      bucket_cap_mb=0.02)
+    opt = fused_reducer.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-3,
+                                         overlap_param_gather=overlap)
+    ref_model = _model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    for step in range(5):
+        if step == 3:
+            ours.first_bucket_bytes = 8192
+        x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for model, o in ((ours, opt), (ref_model, ref)):
+            o.zero_grad()
+            model(x).square().mean().backward()
+            o.step()
+    opt.finish_param_gather()
+    for a, b in zip(ours.module.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     ours.close()
 
 
