@@ -610,44 +610,24 @@ void Reducer::check_skipped_still_unused(const int32_t* globally_used) {
   }
 }
 
-// Note [Used map on the GPU]
-// find_unused_parameters: which parameters any rank used decides which get a
-// gradient, so the host must read the all-reduced map: one host wait per step
-// (DDP waits here too). That wait must be the only one, and as short as the
-// map allows: the map crosses through a pinned host buffer with non-blocking
-// copies (a pageable host-to-device copy makes the host wait for the current
-// stream first), and the host waits on an event recorded after the copy back,
-// not with .cpu(). The buffer is reused: the host rewrites it only after the
-// event of the step before. On CPU the map is reduced in place.
+// The global used map (find_unused_parameters), readable on the host: Note [Used map on the GPU].
 at::Tensor Reducer::allreduce_used_map() {
-  const int64_t count = static_cast<int64_t>(params_.size());
-  const c10::Device device = params_.front().device();
-  if (!used_host_.defined()) {
-    used_host_ = at::empty({count}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
-  }
-  std::copy(locally_used_.begin(), locally_used_.end(), used_host_.data_ptr<int32_t>());
-  // A new device map each step: joined_used_map() hands the last one to join().
-  at::Tensor used = device.is_cpu() ? used_host_.clone()
-                                    : used_host_.to(device, /*non_blocking=*/true);
-  auto pending = transport_->allreduce_sum(used);
-  launched_this_step_ += 1;
-  launched_bytes_this_step_ += used.numel() * used.element_size();
-  try {
-    pending->wait(options_.timeout);
-  } catch (const std::exception& e) {
-    wait_for_launched_quietly();
-    TORCH_CHECK(false, "FusedReducer: all-reduce of the used-parameter map (find_unused_parameters) over ",
-                transport_->name(), " failed: ", e.what(), ". A peer rank may have died.");
-  }
-  used_map_ = used;
-  if (device.is_cpu()) {
-    return used;
-  }
-  used_host_.copy_(used, /*non_blocking=*/true);
-  c10::Event copied(device.type());
-  copied.record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
-  copied.synchronize();  // the step's one host wait
-  return used_host_;
+  auto result = used_map_exchange_.exchange(
+      locally_used_, params_.front().device(), [this](at::Tensor& map) {
+        auto pending = transport_->allreduce_sum(map);
+        launched_this_step_ += 1;
+        launched_bytes_this_step_ += map.numel() * map.element_size();
+        try {
+          pending->wait(options_.timeout);
+        } catch (const std::exception& e) {
+          wait_for_launched_quietly();
+          TORCH_CHECK(false, "FusedReducer: all-reduce of the used-parameter map "
+                      "(find_unused_parameters) over ", transport_->name(), " failed: ", e.what(),
+                      ". A peer rank may have died.");
+        }
+      });
+  used_map_ = result.device;
+  return result.host;
 }
 
 void Reducer::finalize_backward() {

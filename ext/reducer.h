@@ -30,6 +30,7 @@
 #include "bucket_assignment.h"
 #include "bucket_copy.h"
 #include "transport.h"
+#include "used_map.h"
 
 namespace fused_reducer {
 
@@ -307,7 +308,7 @@ class Reducer {
   // last synchronised step, no_sync() steps included (DDP's local_used_map).
   std::vector<char> locally_used_;
   at::Tensor used_map_;  // see joined_used_map()
-  at::Tensor used_host_;  // pinned on CUDA: Note [Used map on the GPU]
+  UsedMapExchange used_map_exchange_;  // Note [Used map on the GPU]
   bool sharded_ = false;  // Note [Sharded mode]
   bool sharded_layout_ = false;  // the buckets in force were built (padded) for sharded mode
   at::Tensor allreduce_used_map();  // the global map, readable on the host

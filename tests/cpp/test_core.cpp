@@ -1,6 +1,7 @@
 // C++ tests of the torch-side core that need no process group: the bucket copy
 // (Note [Bucket copies]) against plain ATen arithmetic, and how a process-group collective is
-// waited (Note [Process-group work without host stalls]) with a fake c10d::Work.
+// waited (Note [Process-group work without host stalls]) with a fake c10d::Work, and the used
+// map's crossing to a GPU and back (Note [Used map on the GPU]) with a fake asynchronous device.
 #include <ATen/ATen.h>
 
 #include <cstdlib>
@@ -10,6 +11,7 @@
 
 #include "bucket_copy.h"
 #include "process_group_transport.h"
+#include "used_map.h"
 
 namespace {
 
@@ -111,10 +113,83 @@ int check_process_group_waits() {
   return failures;
 }
 
+// Note [Used map on the GPU], with a fake device whose copies are asynchronous: the copy back
+// lands on the host only when the host waits for the stream. Records every device call.
+int check_used_map_exchange() {
+  int failures = 0;
+  auto fail = [&](const std::string& what) {
+    std::cerr << "FAILED: used map: " << what << "\n";
+    ++failures;
+  };
+  std::vector<std::string> calls;
+  std::vector<std::function<void()>> queued;  // what the fake stream has not done yet
+  fused_reducer::DeviceCalls fake;
+  fake.host_buffer = [&](int64_t count, bool pinned) {
+    calls.push_back(pinned ? "pinned buffer" : "pageable buffer");
+    return at::zeros({count}, at::kInt);
+  };
+  fake.to_device = [&](const at::Tensor& host, c10::Device, bool non_blocking) {
+    calls.push_back(non_blocking ? "to device, non-blocking" : "to device, blocking");
+    return host.clone();  // the "device" copy (read from the host at once: pinned)
+  };
+  fake.to_host = [&](at::Tensor& host, const at::Tensor& device, bool non_blocking) {
+    calls.push_back(non_blocking ? "to host, non-blocking" : "to host, blocking");
+    at::Tensor source = device.clone();
+    auto land = [host, source]() mutable { host.copy_(source); };
+    if (non_blocking) {
+      queued.push_back(land);  // lands when the stream gets there
+    } else {
+      land();
+    }
+  };
+  fake.wait_for_current_stream = [&](c10::Device) {
+    calls.push_back("wait for the stream");
+    for (auto& job : queued) job();
+    queued.clear();
+  };
+  fused_reducer::UsedMapExchange exchange(fake);
+  const c10::Device gpu(c10::DeviceType::CUDA, 0);
+  auto doubled = [&](at::Tensor& map) {
+    calls.push_back("all-reduce");
+    map.mul_(2);
+  };
+  for (int step = 0; step < 2; ++step) {
+    calls.clear();
+    const std::vector<char> used{1, 0, 1, static_cast<char>(step)};
+    auto result = exchange.exchange(used, gpu, doubled);
+    const std::vector<std::string> expected =
+        step == 0 ? std::vector<std::string>{"pinned buffer", "to device, non-blocking",
+                                             "all-reduce", "to host, non-blocking",
+                                             "wait for the stream"}
+                  : std::vector<std::string>{"to device, non-blocking", "all-reduce",
+                                             "to host, non-blocking", "wait for the stream"};
+    if (calls != expected) {
+      std::string got;
+      for (const auto& c : calls) got += c + "; ";
+      fail("step " + std::to_string(step) + " made the calls: " + got);
+    }
+    const auto host = result.host;
+    if (host.data_ptr<int32_t>()[0] != 2 || host.data_ptr<int32_t>()[1] != 0 ||
+        host.data_ptr<int32_t>()[3] != 2 * step) {
+      fail("the host reads the all-reduced map only after waiting for it (step " +
+           std::to_string(step) + ")");
+    }
+  }
+  calls.clear();
+  fused_reducer::UsedMapExchange on_host(fake);
+  auto on_cpu = on_host.exchange({1, 1}, c10::Device(c10::kCPU), doubled);
+  if (calls != std::vector<std::string>{"pageable buffer", "all-reduce"} ||
+      on_cpu.host.data_ptr<int32_t>()[1] != 2) {
+    fail("on CPU the map is all-reduced in place, with no copy and no wait");
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main() {
   int failures = check_process_group_waits();
+  failures += check_used_map_exchange();
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
     auto a = at::randn({7, 3}).to(dtype);
     auto b = at::randn({5}).to(dtype);
