@@ -84,7 +84,8 @@ def worker(ctx, args):
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, states)
         ddp, sharded = built["ddp"][0].module, built["sharded"][0].module
-        diff = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), sharded.parameters()))
+        diff = max((a - b).abs().max().item()
+                   for a, b in zip(ddp.parameters(), sharded.parameters()))
         params = sum(p.numel() for p in ddp.parameters())
         base = median(times["ddp"])
         print0(ctx, f"{name} ({params / 1e6:.1f}M parameters, {ctx.world_size} ranks, "

@@ -23,7 +23,8 @@ namespace fused_reducer {
 // asynchrony (tests/cpp/test_core.cpp); real_device_calls() makes them with ATen and c10::Event.
 struct DeviceCalls {
   std::function<at::Tensor(int64_t count, bool pinned)> host_buffer;  // int32, on the host
-  std::function<at::Tensor(const at::Tensor& host, c10::Device device, bool non_blocking)> to_device;
+  std::function<at::Tensor(const at::Tensor& host, c10::Device device, bool non_blocking)>
+      to_device;
   std::function<void(at::Tensor& host, const at::Tensor& device, bool non_blocking)> to_host;
   std::function<void(c10::Device device)> wait_for_current_stream;  // event recorded now, waited
 };

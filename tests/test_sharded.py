@@ -392,7 +392,8 @@ def check_checkpoints_in_the_plain_format(rank, world):
     plain = ref.state_dict()
     same_format = (sorted(back["state"]) == sorted(plain["state"])
                    and back["param_groups"] == plain["param_groups"]
-                   and all(sorted(back["state"][i]) == sorted(plain["state"][i]) for i in plain["state"]))
+                   and all(sorted(back["state"][i]) == sorted(plain["state"][i])
+                           for i in plain["state"]))
     state_diff = max((back["state"][i][k] - plain["state"][i][k]).abs().max().item()
                      for i in plain["state"] for k in ("exp_avg", "exp_avg_sq"))
     again = torch.optim.AdamW(ddp.parameters(), **kwargs)
@@ -439,8 +440,8 @@ def check_refusals(rank, world):
     return messages
 
 
-CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm, check_no_sync_and_unused,
-          check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
+CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm,
+          check_no_sync_and_unused, check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
           check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
 
 

@@ -29,10 +29,13 @@ format under the old fragments (state_dict(), collective), and loaded under the 
 step() consumes the gradients (the all-gather reuses their buckets): a second step() before the
 next backward updates nothing. Only the last synchronised backward's shard is kept, so two of
 them before step() raise (accumulate micro-batches under model.no_sync() instead, which gives
-the same gradients). A parameter changed outside the optimizer (module.load_state_dict) wins
-over its master copy wherever the master no longer rounds to it. Master weights (master_dtype=torch.float32 with bf16 parameters): the optimizer updates a
+the same gradients).
+
+Master weights (master_dtype=torch.float32 with bf16 parameters): the optimizer updates a
 master copy of each fragment in that dtype, copied back (rounded) into the parameter, whose
-dtype the all-gather sends; state_dict() carries the masters as "master_param".
+dtype the all-gather sends; state_dict() carries the masters as "master_param". A parameter
+changed outside the optimizer (module.load_state_dict) wins over its master copy wherever the
+master no longer rounds to it.
 
 Note [Overlapped parameter all-gather]
 By default step() waits for the parameter all-gathers. With overlap_param_gather=True it only
