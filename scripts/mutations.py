@@ -397,8 +397,7 @@ MUTATIONS = [
     dict(
         id="join-used-map-zeros",
         file=REDUCER_CPP,
-        edits=[("    globally_used = used.cpu();\n    used_map_ = used;",
-                "    globally_used = used.cpu();")],
+        edits=[("  used_map_ = result.device;\n", "")],
         why="a joined rank all-reduces zeros as its used-parameter map, where DDP's joined rank "
             "all-reduces its last one: a parameter the joined rank used last counts as unused "
             "for the others, gets no gradient, and momentum makes the parameters leave DDP's",
@@ -457,9 +456,9 @@ MUTATIONS = [
     dict(
         id="autotune-step-times-not-agreed",
         file="python/fused_reducer/autotune.py",
-        edits=[("        agreed = control_allreduce(self.pending, dist.ReduceOp.MAX, self.group,\n"
+        edits=[("        agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,\n"
                 "                                   self.model._control_device)\n",
-                "        agreed = list(self.pending)\n")],
+                "        agreed = list(times)\n")],
         why="step times are not the slowest rank's: each rank ranks candidates on its own "
             "timings, so the ranks' decisions can differ",
         tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
@@ -534,8 +533,8 @@ MUTATIONS = [
     dict(
         id="shm-no-bucket-size-check",
         file="ext/shm_segment.cpp",
-        edits=[("    if (start == 0) {\n      for (int r = 0; r < world; ++r) {",
-                "    if (false) {\n      for (int r = 0; r < world; ++r) {")],
+        edits=[("    if (peer_numel != bucket.check_numel || peer_dtype != bucket.check_dtype) {",
+                "    if (false) {")],
         why="ranks reducing buckets of different sizes (models that differ) are not told: the "
             "sums silently mix unrelated gradients, or ranks fall out of step and time out",
         tests=["tests/test_shm_transport.py::test_different_buckets_across_ranks_raise_on_every_rank_naming_the_sizes"],
@@ -880,8 +879,7 @@ MUTATIONS = [
     dict(
         id="sharded-all-gather-of-a-stale-bucket",
         file="python/fused_reducer/sharded.py",
-        edits=[("            mine = [f for f in self._fragments if f.bucket == b]",
-                "            mine = []")],
+        edits=[("            mine = self._by_bucket[b]\n", "            mine = []\n")],
         why="the all-gather sends a parameter buffer this rank never filled with its updated "
             "shard: every rank receives stale (uninitialised) parameters",
         tests=["tests/test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change"],

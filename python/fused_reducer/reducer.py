@@ -135,6 +135,7 @@ class FusedReducer(nn.Module, Joinable):
         self._tuner = None
         self._debug = _debug_enabled()
         self._rebuilds_seen = 0
+        self._sharded = False  # a ShardedOptimizer uses this model: _use_sharded_optimizer
         self._attach(params)
         if autotune:
             self.autotune()
@@ -174,7 +175,8 @@ class FusedReducer(nn.Module, Joinable):
             reduce_dtype=getattr(self, "_reduce_dtype", None))
         self._params = params  # the reducer's parameter indices
         self._reducer.set_trace_capacity(self._trace_steps)
-        if getattr(self, "_sharded", False):
+        self._sharded = getattr(self, "_sharded", False)  # unpickled from before it existed
+        if self._sharded:
             self._reducer.set_sharded(True)
         if self._comm_hook is not None:
             self._reducer.set_comm_hook(_comm_hook_launcher(self))
@@ -231,7 +233,8 @@ class FusedReducer(nn.Module, Joinable):
     def forward(self, *args, **kwargs):
         self._pre_forward()
         output = self.module(*args, **kwargs)
-        self._finish_param_gather()  # before backward refills the buckets
+        if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
+            self._finish_param_gather()  # before backward refills the buckets
         if self.find_unused_parameters and self._require_forward_param_sync:
             self._hook_outputs(output)
         return output

@@ -146,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # fragments hold, and the one zero_grad() cleared: a step() with no backward since
         # zero_grad() updates nothing, as with a plain optimizer.
         self._attached_step = None
-        self._cleared_step = model._reducer.stats()["step"]
+        self._cleared_step = model._reducer.completed_steps()
         self._zeros_kept = False  # the last zero_grad() was set_to_none=False
         self._layout_changed = False
 
@@ -221,6 +221,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                params[index], master))
         self._layout = layout
         self._fragments = fragments
+        self._by_bucket = [[] for _ in numels]   # this rank's fragments of each bucket
+        self._of_param = {}                      # ... and of each parameter index
+        for f in fragments:
+            self._by_bucket[f.bucket].append(f)
+            self._of_param.setdefault(f.index, []).append(f)
         groups = []
         for g, group in enumerate(self.param_groups):
             options = {k: v for k, v in group.items() if k != "params"}
@@ -240,7 +245,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._inner is None:
             return
         reducer = self.model._reducer
-        step = reducer.stats()["step"]
+        step = reducer.completed_steps()
         if step == self._attached_step:
             return
         self._attached_step = step
@@ -358,7 +363,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             dtype = params[indices[0]].dtype
             flat = (buckets[b] if buckets[b].dtype == dtype
                     else torch.empty(numel, dtype=dtype, device=self.model.device))
-            mine = [f for f in self._fragments if f.bucket == b]
+            mine = self._by_bucket[b]
             _C.scaled_copy([f.view for f in mine],
                            [flat[f.at:f.at + (f.end - f.begin)] for f in mine], 1.0)
             self._gathers[b] = (transport.all_gather(flat, f"parameters of bucket {b}"), flat)
@@ -414,7 +419,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for f in self._fragments:
             f.opt.grad = None
         self._zeros_kept = not set_to_none
-        self._cleared_step = self.model._reducer.stats()["step"]
+        self._cleared_step = self.model._reducer.completed_steps()
         self._attached_step = None
 
     # -- checkpoints: the plain optimizer's format ------------------------------------------------
@@ -481,11 +486,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     continue
                 full = torch.zeros_like(param, dtype=value)
                 flat = _storage_order(full)
-                for f in self._fragments:
-                    if f.index == index:
-                        mine = self._fragment_state(f)
-                        if key in mine:
-                            flat[f.begin:f.end] = mine[key]
+                for f in self._of_param.get(index, ()):
+                    mine = self._fragment_state(f)
+                    if key in mine:
+                        flat[f.begin:f.end] = mine[key]
                 dist.all_reduce(full, group=self.model.process_group)  # others hold zeros there
                 state[key] = full
             result[plain_of[index]] = state
