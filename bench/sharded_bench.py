@@ -8,11 +8,15 @@ train with AdamW across ranks (issue 23):
              next forward, module by module
     zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
 
-The three run interleaved, one step each per round, on the same model and data; the medians of
+They run interleaved, one step each per round, on the same model and data; the medians of
 the timed rounds are printed with each rank's optimizer state bytes. The parameters of ddp and
-sharded are compared at the end (they must agree up to the summation order).
+sharded are compared at the end (they must agree up to the summation order). With
+--float64-reference a fifth, untimed run (DDP + AdamW on a float64 copy of the model, the same
+data) is the independent reference both are measured against.
 
     python bench/sharded_bench.py --model large,resnet18 --steps 12
+    python bench/sharded_bench.py --model real --ways ddp,sharded --steps 47 --warmup 3 \
+        --nranks 4 --transport process_group --float64-reference     # exactness, 50 steps
 """
 import argparse
 import os
@@ -40,9 +44,11 @@ def state_bytes(states):
 def build(way, spec, ctx, args):
     module = spec.build(ctx.device)
     kwargs = dict(lr=1e-4, weight_decay=0.1)
+    if way == "f64":
+        module = module.double()
     if way.startswith("sharded"):
         model = fused_reducer.FusedReducer(module, first_bucket_mb=args.first_mb,
-                                           bucket_cap_mb=args.cap_mb)
+                                           bucket_cap_mb=args.cap_mb, backend=args.transport)
         return model, fused_reducer.ShardedOptimizer(
             model, torch.optim.AdamW, overlap_param_gather=way == "sharded-overlap", **kwargs)
     ddp_kwargs, why = ddp_best_kwargs(args.first_mb, args.cap_mb)
@@ -62,35 +68,60 @@ def optimizer_state(way, opt):
     return state_bytes(opt.state.values())
 
 
+def max_difference(a, b):
+    return max((x.double() - y.double()).abs().max().item()
+               for x, y in zip(a.parameters(), b.parameters()))
+
+
+def train_step(way, model, opt, x):
+    opt.zero_grad()
+    if way == "f64" and x.is_floating_point():
+        x = x.double()
+    out = model(x)
+    (out.double() if way == "f64" else out.float()).square().mean().backward()
+    opt.step()
+
+
 def worker(ctx, args):
+    ways = args.ways.split(",")
+    unknown = set(ways) - set(WAYS) or {"ddp", "sharded"} - set(ways)
+    if unknown:
+        raise SystemExit(f"sharded_bench: --ways takes {', '.join(WAYS)} and needs ddp and "
+                         f"sharded; got {args.ways}")
     for name in expand(args.model.split(",")):
         spec = ModelSpec.from_args(name)
-        built = {way: build(way, spec, ctx, args) for way in WAYS}
-        times = {way: [] for way in WAYS}
+        built = {way: build(way, spec, ctx, args) for way in ways}
+        reference = build("f64", spec, ctx, args) if args.float64_reference else None
+        times = {way: [] for way in ways}
         for step in range(args.warmup + args.steps):
             x = spec.input(ctx.rank, step, ctx.device)
-            for way in WAYS:
+            for way in ways:
                 model, opt = built[way]
                 ctx.sync()
                 dist.barrier()
                 start = time.perf_counter()
-                opt.zero_grad()
-                model(x).float().square().mean().backward()
-                opt.step()
+                train_step(way, model, opt, x)
                 ctx.sync()
                 if step >= args.warmup:
                     times[way].append(time.perf_counter() - start)
-        states = {way: optimizer_state(way, built[way][1]) for way in WAYS}
+            if reference is not None:
+                train_step("f64", *reference, x)
+        states = {way: optimizer_state(way, built[way][1]) for way in ways}
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, states)
         ddp, sharded = built["ddp"][0].module, built["sharded"][0].module
-        diff = max((a - b).abs().max().item()
-                   for a, b in zip(ddp.parameters(), sharded.parameters()))
+        diff = max_difference(ddp, sharded)
         params = sum(p.numel() for p in ddp.parameters())
         base = median(times["ddp"])
+        transport = built["sharded"][0].backend
         print0(ctx, f"{name} ({params / 1e6:.1f}M parameters, {ctx.world_size} ranks, "
-                    f"{args.steps} timed steps; max |ddp - sharded| parameter {diff:.2e})")
-        for way in WAYS:
+                    f"{transport} transport, {args.warmup + args.steps} steps; "
+                    f"max |ddp - sharded| parameter {diff:.2e})")
+        if reference is not None:
+            f64 = reference[0].module
+            print0(ctx, f"  float64 reference: max |ddp - f64| {max_difference(ddp, f64):.2e}, "
+                        f"max |sharded - f64| {max_difference(sharded, f64):.2e}")
+        for way in ways:
             per_rank = [g[way] for g in gathered]
             print0(ctx, f"  {way:15s} step {median(times[way]) * 1e3:8.1f} ms  "
                         f"ratio {median(times[way]) / base:5.3f}  optimizer state per rank "
@@ -98,7 +129,7 @@ def worker(ctx, args):
         for model, opt in built.values():
             if isinstance(model, fused_reducer.FusedReducer):
                 model.close()
-        del built
+        del built, reference
     return 0
 
 
@@ -110,6 +141,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--first-mb", type=float, default=1.0)
     parser.add_argument("--cap-mb", type=float, default=25.0)
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help=f"comma-separated, of {', '.join(WAYS)} (default all)")
+    parser.add_argument("--transport", choices=("auto", "shm", "process_group"), default="auto",
+                        help="FusedReducer's transport (default auto: shared memory on one host)")
+    parser.add_argument("--float64-reference", action="store_true",
+                        help="also train DDP + AdamW on a float64 copy (untimed) and print both "
+                             "runs' distance from it")
     add_launch_args(parser)
     args = parser.parse_args(argv)
     return launch(worker, args)

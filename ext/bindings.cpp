@@ -219,6 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_sharded", &Reducer::set_sharded, py::arg("sharded"))
       .def("sharded", &Reducer::sharded)
       .def("sharded_layout", &Reducer::sharded_layout)
+      .def("set_released_gradients", &Reducer::set_released_gradients, py::arg("placeholders"))
+      .def("clear_released_gradients", &Reducer::clear_released_gradients)
       .def("bucket_flats", &Reducer::bucket_flats)
       .def("bucket_offsets", &Reducer::bucket_offsets)
       .def("request_rebuild", &Reducer::request_rebuild)

@@ -380,9 +380,27 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 // bucket is reduced (a synchronised step leaves param.grad None), so no torch
 // utility that reads param.grad can mistake them for the average. no_sync()
 // steps accumulate in param.grad as usual; the synchronised step packs the sum.
+// With gradient_as_bucket_view the gradient became a view of its slot when it
+// was packed, so autograd's own copy is dropped even before the bucket is
+// reduced.
+//
+// Note [Released gradients]
+// A released gradient is not left None: torch utilities that read param.grad
+// (clip_grad_norm_ over model.parameters(), GradScaler.unscale_, a norm logged
+// by hand) would then silently see no gradient and compute something else.
+// param.grad becomes a placeholder instead (python/fused_reducer/sharded.py,
+// _ReleasedGradient: the parameter's metadata, no storage) whose every use
+// raises naming the parameter and opt.clip_grad_norm_. It is cleared (None)
+// by the optimizer's step() and zero_grad(), and by the next forward with
+// gradients enabled, so that autograd never accumulates into it.
 void Reducer::release_local_gradients(Bucket& bucket) {
   for (const int64_t index : bucket.params) {
-    params_[index].mutable_grad().reset();
+    at::Tensor& grad = params_[index].mutable_grad();
+    if (released_gradients_.empty()) {
+      grad.reset();
+    } else {
+      grad = released_gradients_[index];
+    }
   }
 }
 
@@ -1122,12 +1140,26 @@ void Reducer::set_sharded(bool sharded) {
   }
   TORCH_CHECK(!sharded || !comm_hook_, "FusedReducer: a ShardedOptimizer reduce-scatters the "
               "buckets, but a communication hook is registered; use one or the other");
-  TORCH_CHECK(!sharded || !options_.gradient_as_bucket_view,
-              "FusedReducer: a ShardedOptimizer does not support gradient_as_bucket_view=True yet "
-              "(after a reduce-scatter only this rank's shard of a bucket holds averages); "
-              "construct the FusedReducer with gradient_as_bucket_view=False");
   sharded_ = sharded;
   rebuild_pending_ = true;  // the padding of the layout changes
+}
+
+void Reducer::set_released_gradients(std::vector<at::Tensor> placeholders) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(placeholders.empty() || placeholders.size() == params_.size(),
+              "FusedReducer: ", placeholders.size(), " released-gradient placeholders for ",
+              params_.size(), " parameters");
+  released_gradients_ = std::move(placeholders);
+}
+
+void Reducer::clear_released_gradients() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < released_gradients_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (grad.defined() && grad.is_same(released_gradients_[i])) {
+      grad.reset();
+    }
+  }
 }
 
 bool Reducer::sharded() const {

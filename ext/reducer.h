@@ -183,6 +183,10 @@ class Reducer {
   void set_sharded(bool sharded);
   bool sharded() const;
   bool sharded_layout() const;  // the layout in force is sharded (set_sharded applied)
+  // What param.grad holds after a synchronised step in sharded mode (one tensor per parameter,
+  // in index order): see Note [Released gradients]. Cleared again by clear_released_gradients.
+  void set_released_gradients(std::vector<at::Tensor> placeholders);
+  void clear_released_gradients();
   // Per bucket (launch order): the flat buffer, and each slot's element offset in it.
   std::vector<at::Tensor> bucket_flats() const;
   std::vector<std::vector<int64_t>> bucket_offsets() const;
@@ -311,6 +315,7 @@ class Reducer {
   UsedMapExchange used_map_exchange_;  // Note [Used map on the GPU]
   bool sharded_ = false;  // Note [Sharded mode]
   bool sharded_layout_ = false;  // the buckets in force were built (padded) for sharded mode
+  std::vector<at::Tensor> released_gradients_;  // Note [Released gradients]
   at::Tensor allreduce_used_map();  // the global map, readable on the host
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
   // Accelerator gradients: the stream each one was produced on (its hook's

@@ -874,7 +874,7 @@ MUTATIONS = [
         edits=[("            dist.all_reduce(total, group=self.model.process_group)\n", "")],
         why="clip_grad_norm_ clips by this rank's shard's norm, not the global one: every rank "
             "scales its shard differently",
-        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released"],
+        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise"],
     ),
     dict(
         id="sharded-all-gather-of-a-stale-bucket",
@@ -891,6 +891,25 @@ MUTATIONS = [
                 "  if (sharded_) {\n    return;\n  }")],
         why="after a sharded backward param.grad keeps this rank's unreduced gradient: "
             "clip_grad_norm_ over model.parameters() silently clips by a local norm",
-        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released"],
+        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise"],
+    ),
+    dict(
+        id="sharded-released-gradient-left-none",
+        file=REDUCER_CPP,
+        edits=[("    if (released_gradients_.empty()) {\n      grad.reset();",
+                "    if (true) {\n      grad.reset();")],
+        why="after a sharded backward param.grad is None: clip_grad_norm_ over model.parameters() "
+            "silently returns a zero norm and clips nothing",
+        tests=["tests/test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise"],
+    ),
+    dict(
+        id="sharded-compiled-module-hooks-trusted",
+        file="python/fused_reducer/sharded.py",
+        edits=[("        self._hooks_traced = _compiled_inside(self.model.module)",
+                "        self._hooks_traced = False")],
+        why="FusedReducer(torch.compile(module)) with overlap_param_gather: the module pre-hooks "
+            "are traced into the graph, so the forward reads parameters whose all-gather is still "
+            "in flight",
+        tests=["tests/test_sharded.py::test_torch_compile_with_a_sharded_optimizer_matches_compiled_ddp"],
     ),
 ]

@@ -151,10 +151,10 @@ COVERAGE = {
     ],
     "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, master_dtype=None, **kwargs)`": [
         "test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change",
-        "test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_param_grad_is_released",
+        "test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise",
         "test_sharded.py::test_state_per_rank_is_one_world_th_of_the_plain_optimizers",
         "test_sharded.py::test_a_ddp_checkpoint_resumes_here_and_back",
-        "test_sharded.py::test_non_elementwise_optimizers_and_bucket_views_are_refused",
+        "test_sharded.py::test_non_elementwise_optimizers_fp16_scaling_join_and_comm_hooks_are_refused",
         "test_sharded.py::test_fp32_master_weights_train_like_a_single_process_fp32_master",
     ],
     "`close()`": [

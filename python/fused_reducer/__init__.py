@@ -30,7 +30,7 @@ check_torch_version(_BUILD_TORCH, torch.__version__)  # before _C: its load is w
 
 from . import _C  # noqa: E402
 from .reducer import FusedReducer, FusedReducerError  # noqa: E402
-from .sharded import ShardedOptimizer, ShardedOptimizerError  # noqa: E402
+from .sharded import ShardedGradientError, ShardedOptimizer, ShardedOptimizerError  # noqa: E402
 from .transport import make_transport  # noqa: E402
 from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes  # noqa: E402
 
@@ -45,5 +45,6 @@ def build_info():
     return info
 
 
-__all__ = ["FusedReducer", "FusedReducerError", "ShardedOptimizer", "ShardedOptimizerError", "build_info", "make_transport", "get_default_first_bucket_bytes",
+__all__ = ["FusedReducer", "FusedReducerError", "ShardedGradientError", "ShardedOptimizer",
+           "ShardedOptimizerError", "build_info", "make_transport", "get_default_first_bucket_bytes",
            "set_default_first_bucket_bytes"]

@@ -23,6 +23,7 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
                         timeout_seconds)
+from .sharded import _ReleasedGradient
 from .settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
                        megabytes_to_bytes)
 
@@ -177,7 +178,7 @@ class FusedReducer(nn.Module, Joinable):
         self._reducer.set_trace_capacity(self._trace_steps)
         self._sharded = getattr(self, "_sharded", False)  # unpickled from before it existed
         if self._sharded:
-            self._reducer.set_sharded(True)
+            self._enter_sharded_mode()
         if self._comm_hook is not None:
             self._reducer.set_comm_hook(_comm_hook_launcher(self))
         _live_reducers.add(self)
@@ -232,9 +233,11 @@ class FusedReducer(nn.Module, Joinable):
     # -- the step ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._pre_forward()
+        if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
+            self._before_sharded_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
         if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
-            self._finish_param_gather()  # before backward refills the buckets
+            self._before_sharded_backward()
         if self.find_unused_parameters and self._require_forward_param_sync:
             self._hook_outputs(output)
         return output
@@ -338,6 +341,24 @@ class FusedReducer(nn.Module, Joinable):
         if optimizer is not None and optimizer._gathers:
             optimizer.finish_param_gather()
 
+    @torch.compiler.disable
+    def _before_sharded_forward(self, traced):
+        """`traced`: this forward is being compiled (Note [Overlapped parameter all-gather])."""
+        optimizer = self.__dict__.get("_sharded_optimizer")
+        optimizer = optimizer() if optimizer is not None else None
+        if optimizer is not None:
+            optimizer.finish_before_forward(traced)
+
+    @torch.compiler.disable
+    def _before_sharded_backward(self):
+        """After a sharded forward, before backward refills the buckets: the parameter
+        all-gathers still in flight are finished, and (when this forward records a graph) the
+        released-gradient placeholders are cleared, so autograd never accumulates into one
+        (Note [Released gradients] in ext/reducer.cpp)."""
+        self._finish_param_gather()
+        if torch.is_grad_enabled():
+            self._reducer.clear_released_gradients()
+
     def state_dict(self, *args, **kwargs):
         self._finish_param_gather()
         return super().state_dict(*args, **kwargs)
@@ -350,9 +371,14 @@ class FusedReducer(nn.Module, Joinable):
             raise FusedReducerError(
                 "ShardedOptimizer: autotune is still measuring with all-reduce; construct the "
                 "ShardedOptimizer first, or let autotune finish (autotune_report()['done'])")
-        self._reducer.set_sharded(True)  # raises naming what it cannot combine with
+        self._enter_sharded_mode()
         self._sharded = True
         self._sharded_optimizer = weakref.ref(optimizer)
+
+    def _enter_sharded_mode(self):
+        self._reducer.set_sharded(True)  # raises naming what it cannot combine with
+        self._reducer.set_released_gradients(
+            [_ReleasedGradient(p, name) for p, name in zip(self._params, self._param_names)])
 
     def join_hook(self, **kwargs):
         if getattr(self, "_sharded", False):

@@ -47,12 +47,20 @@ forward through a module that owns it (a module's own parameters, tied weights i
 parameter read functionally by another module (F.linear(x, self.embed.weight) in a parent) or
 outside forward (an EMA right after step()) would see its previous value until
 finish_param_gather() (which step(), clip_grad_norm_, state_dict() and model.state_dict() call).
+Under torch.compile the pre-hooks are traced, not run: where the model's forward is compiled or
+contains a compiled module, all all-gathers are finished before the forward instead
+(finish_before_forward), so there the overlap is lost, never the exactness.
 
-After a synchronised backward in sharded mode param.grad is None (the local, unreduced
-gradients are released once their bucket is reduced): the averaged gradients exist only as
-shards. Clip with ``opt.clip_grad_norm_`` (the norm over all shards); torch utilities that read
-param.grad see no gradient.
+After a synchronised backward in sharded mode the averaged gradients exist only as shards: the
+local, unreduced gradients are released once their bucket is reduced, and param.grad holds a
+placeholder (_ReleasedGradient: the parameter's shape and dtype, no values) until step(),
+zero_grad() or the next forward. Reading it raises ShardedGradientError naming the parameter, so
+torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a hand-written norm
+fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_`` (the norm
+over all shards). Note [Released gradients] in ext/reducer.cpp.
 """
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -69,6 +77,41 @@ class ShardedOptimizerError(ValueError):
     pass
 
 
+class ShardedGradientError(RuntimeError):
+    """param.grad was read after a synchronised backward in sharded mode."""
+
+
+class _ReleasedGradient(torch.Tensor):
+    """param.grad after a synchronised backward in sharded mode: the parameter's metadata and no
+    storage; every operation on it raises ShardedGradientError naming the parameter (Note
+    [Released gradients] in ext/reducer.cpp)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, param, name):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, strides=param.stride(), storage_offset=param.storage_offset(),
+            dtype=param.dtype, device=param.device, requires_grad=False)
+        self.parameter_name = name
+        return self
+
+    def __repr__(self):
+        return (f"<released gradient of '{self.parameter_name}': averaged only as shards of a "
+                "ShardedOptimizer>")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.parameter_name for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, cls)]
+        raise ShardedGradientError(
+            f"param.grad of '{names[0]}' was used ({func}) after a synchronised backward with a "
+            "ShardedOptimizer: the averaged gradients exist only as shards across the ranks, and "
+            "this rank's local gradient was released. Clip with opt.clip_grad_norm_(max_norm) "
+            "(the global norm, as torch.nn.utils.clip_grad_norm_ under DDP) instead of a torch "
+            "utility over model.parameters(); call opt.step() and opt.zero_grad() before the "
+            "next backward; accumulate micro-batches under model.no_sync().")
+
+
 class _Fragment:
     """The part [begin, end) (storage order) of parameter `index` in this rank's shard of
     bucket `bucket`, at element `at` of the bucket's flat buffer."""
@@ -81,6 +124,14 @@ class _Fragment:
         # them in master_dtype (copied back into the parameter after each update).
         self.opt = (self.view.to(master_dtype, copy=True)
                     if master_dtype is not None and master_dtype != param.dtype else self.view)
+
+
+def _compiled_inside(module):
+    """`module` or a module in it runs as a torch.compile graph (torch.compile(m), m.compile()),
+    so forward hooks of the modules in it are traced, not run eagerly."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return any((eval_frame is not None and isinstance(m, eval_frame.OptimizedModule))
+               or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
 def _dense(tensor):
@@ -134,6 +185,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.overlap_param_gather = bool(overlap_param_gather)
         self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
+        self._hooks_traced = False  # some of them run inside a torch.compile graph
         self._index = {id(p): i for i, p in enumerate(model._reducer_params())}
         self._group_of = {}
         for g, group in enumerate(self.param_groups):
@@ -344,6 +396,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # before the next backward updates nothing.
         for f in self._fragments:
             f.opt.grad = None
+        self.model._reducer.clear_released_gradients()
         self._cleared_step = self._attached_step
         self._all_gather_parameters()
         return loss
@@ -389,6 +442,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _C.scaled_copy([flat[o:o + params[i].numel()] for i, o in zip(indices, offsets)],
                            [_storage_order(params[i].detach()) for i in indices], 1.0)
 
+    def finish_before_forward(self, traced):
+        """Called by the model's forward before its module runs. Module pre-hooks only finish
+        the all-gathers when they run eagerly: where the forward is `traced` by torch.compile
+        (torch.compile(model), a compiled training step) or a module inside it is compiled
+        (FusedReducer(torch.compile(module)), torch.compile of a block), every all-gather is
+        finished here instead, before the graph reads the parameters (no overlap with forward,
+        as without overlap_param_gather)."""
+        if self._gathers and (traced or self._hooks_traced):
+            self.finish_param_gather()
+
     def _install_gather_hooks(self):
         """Once per layout: a forward pre-hook on every module that owns parameters (its own,
         not its children's), finishing the all-gathers of their buckets just before it runs."""
@@ -396,6 +459,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         for handle in self._gather_hooks[1:]:
             handle.remove()
+        self._hooks_traced = _compiled_inside(self.model.module)
         bucket_of = {index: b for b, indices in enumerate(self._layout[0]) for index in indices}
         position = {id(p): i for i, p in enumerate(self.model._reducer_params())}
         handles = [self._layout]
@@ -404,12 +468,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                      if p is not None and id(p) in position}
             if owned:
                 def finish(module, args, owned=tuple(sorted(owned))):
+                    if torch.compiler.is_compiling():
+                        return  # traced into a graph: finish_before_forward did it
                     if self._gathers:
                         self.finish_param_gather(owned)
                 handles.append(module.register_forward_pre_hook(finish))
         self._gather_hooks = handles
 
     def zero_grad(self, set_to_none=True):
+        self.model._reducer.clear_released_gradients()
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:
