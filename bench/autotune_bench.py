@@ -42,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import step_bench  # noqa: E402
+from report import render_trace  # noqa: E402
 
 MiB = 1024 * 1024
 DEFAULT = (1 * MiB, 25 * MiB, 0)
@@ -240,55 +241,6 @@ def worker(ctx, args):
 
 
 # -- trace picture --------------------------------------------------------------------------------
-def render_trace(trace_path, png_path, title=None):
-    """Timeline picture of a FusedReducer Chrome trace: one row per trace row (step, backward,
-    bucket 0, 1, ...), bars for its complete events, time in ms."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    with open(trace_path) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e["name"] == "thread_name"}
-    spans = [e for e in events if e.get("ph") == "X"]
-    tids = sorted(names)
-    row = {tid: len(tids) - 1 - i for i, tid in enumerate(tids)}
-    t0 = min(e["ts"] for e in spans)
-    colors = {"step": "#d9d9d9", "backward": "#9ecae1", "end of backward": "#fdae6b",
-              "fill": "#c7e9c0", "copy in": "#74c476", "all-reduce": "#3182bd",
-              "exposed wait": "#e6550d"}
-
-    def kind(name):
-        for k in ("all-reduce", "step"):
-            if name.startswith(k):
-                return k
-        return name
-
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(tids) + 1.6))
-    for e in spans:
-        k = kind(e["name"])
-        nested = k == "exposed wait"
-        y = row[e["tid"]] + (0.05 if nested else 0)
-        height = 0.4 if nested else 0.8
-        ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (y - 0.4, height),
-                       facecolors=colors.get(k, "#999999"), edgecolors="none")
-    ax.set_yticks([row[t] for t in tids], [names[t] for t in tids])
-    ax.set_xlabel("time since the first forward in the trace (ms)")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if len(tids) < 8 else -0.1), ncol=7, fontsize=8,
-              frameon=False)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    common.ensure_parent(png_path)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-
-
 def _config(text):
     parts = [common.parse_size(v) for v in str(text).split(",")]
     if len(parts) != 3 or parts[0] <= 0 or parts[1] <= 0:

@@ -88,6 +88,7 @@ def worker(ctx, args):
     if unknown:
         raise SystemExit(f"sharded_bench: --ways takes {', '.join(WAYS)} and needs ddp and "
                          f"sharded; got {args.ways}")
+    rows = []
     for name in expand(args.model.split(",")):
         spec = ModelSpec.from_args(name)
         built = {way: build(way, spec, ctx, args) for way in ways}
@@ -126,11 +127,42 @@ def worker(ctx, args):
             print0(ctx, f"  {way:15s} step {median(times[way]) * 1e3:8.1f} ms  "
                         f"ratio {median(times[way]) / base:5.3f}  optimizer state per rank "
                         f"{', '.join(f'{b / 2**20:.1f}' for b in per_rank)} MiB")
+            rows.append(dict(model=name, way=way, step_ms=median(times[way]) * 1e3,
+                             ratio=median(times[way]) / base, state_mib=max(per_rank) / 2**20))
         for model, opt in built.values():
             if isinstance(model, fused_reducer.FusedReducer):
                 model.close()
         del built, reference
+    if args.plot and ctx.rank == 0:
+        plot(rows, args.plot, f"{' '.join(sys.argv[1:])[:100]}\n{time.strftime('%Y-%m-%d')}, "
+                              f"{ctx.world_size} ranks")
     return 0
+
+
+def plot(rows, path, title):
+    """Two panels per model: step time relative to DDP + AdamW, and the largest optimizer state
+    of a rank (MiB), one bar per way."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    ways = list(dict.fromkeys(r["way"] for r in rows))
+    width = 0.8 / len(ways)
+    fig, axes = plt.subplots(1, 2, figsize=(3 + 2.2 * len(models), 3.6))
+    for ax, key, label in ((axes[0], "ratio", "step time / DDP + AdamW"),
+                           (axes[1], "state_mib", "optimizer state per rank (MiB)")):
+        for k, way in enumerate(ways):
+            got = {r["model"]: r[key] for r in rows if r["way"] == way}
+            xs = [i + (k - (len(ways) - 1) / 2) * width for i in range(len(models))]
+            ax.bar(xs, [got.get(m, 0) for m in models], width, label=way)
+        ax.set_xticks(range(len(models)), models, fontsize=7)
+        ax.set_ylabel(label)
+        if key == "ratio":
+            ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -148,6 +180,9 @@ def main(argv=None):
     parser.add_argument("--float64-reference", action="store_true",
                         help="also train DDP + AdamW on a float64 copy (untimed) and print both "
                              "runs' distance from it")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also a bar chart: step time relative to DDP and optimizer state "
+                             "per rank, per model and way")
     add_launch_args(parser)
     args = parser.parse_args(argv)
     return launch(worker, args)

@@ -433,7 +433,7 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     telemetry = {name: fused_telemetry(model.step_history()[-args.steps:])
                  for name, model in variants if name in FUSED_KINDS}
     if args.trace_dir and ctx.rank == 0:  # the last timed steps as a timeline per transport
-        from autotune_bench import render_trace
+        from report import render_trace
         for name, model in variants:
             if name in FUSED_KINDS:
                 stem = os.path.join(args.trace_dir, f"{spec.name}_{name}")

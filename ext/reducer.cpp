@@ -377,8 +377,9 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 // average of that part of the gradients, and the optimizer updates only the
 // parameters' elements in it, then all-gathers them. Nothing is unpacked into
 // param.grad: the local, unreduced gradients are released as soon as their
-// bucket is reduced (a synchronised step leaves param.grad None), so no torch
-// utility that reads param.grad can mistake them for the average. no_sync()
+// bucket is reduced (a synchronised step leaves a placeholder in param.grad:
+// Note [Released gradients]), so no torch utility that reads param.grad can
+// mistake them for the average. no_sync()
 // steps accumulate in param.grad as usual; the synchronised step packs the sum.
 // With gradient_as_bucket_view the gradient became a view of its slot when it
 // was packed, so autograd's own copy is dropped even before the bucket is

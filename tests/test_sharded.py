@@ -11,6 +11,7 @@ transports:
 - clip_grad_norm_: DDP's norm (torch.nn.utils.clip_grad_norm_) and DDP's parameters after it;
   torch.nn.utils.clip_grad_norm_ over model.parameters() raises ShardedGradientError naming a
   parameter (param.grad holds a released-gradient placeholder until step()/zero_grad());
+- autotune started while training (every trial moves the shards and the state);
 - gradient_as_bucket_view=True, and torch.compile (aot_eager) around the model or inside it with
   overlapped all-gathers, train like DDP wrapped the same way;
 - no_sync accumulation and find_unused_parameters (a parameter no rank uses is not updated);
@@ -194,6 +195,29 @@ def check_gradient_as_bucket_view(rank, world):
                 o.step()
         out[backend] = (_max_diff(ours.module.parameters(), ddp.module.parameters()),
                         ours.stats()["rebuilds"], released)
+        ours.close()
+    return out
+
+
+def check_autotune_while_training(rank, world):
+    """model.autotune() started after the ShardedOptimizer: each trial's limits rebuild the
+    buckets, the shards move and the AdamW state moves with them; parameters stay DDP's."""
+    out = {}
+    for backend in BACKENDS:
+        ours, opt, ddp, ref = _pair(backend, torch.optim.AdamW, dict(lr=1e-2))
+        candidates = [(1 * KB, 1 * KB, 0), (3 * KB, 8 * KB, 0), (1 << 30, 1 << 30, 0)]
+        ours.autotune(candidates=candidates, round_steps=(1, 2))
+        steps = 0
+        while not ours.autotune_report()["done"] or steps < 3:
+            x, y = _batch(rank, steps)
+            for model, o in ((ours, opt), (ddp, ref)):
+                o.zero_grad()
+                _loss(model, x, y).backward()
+                o.step()
+            steps += 1
+            assert steps < 60, "autotune did not finish"
+        out[backend] = (_max_diff(ours.module.parameters(), ddp.module.parameters()),
+                        ours.stats()["rebuilds"], len(ours.autotune_report()["trials"]))
         ours.close()
     return out
 
@@ -515,7 +539,8 @@ def check_refusals(rank, world):
 
 
 CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm,
-          check_gradient_as_bucket_view, check_torch_compile, check_no_sync_and_unused,
+          check_gradient_as_bucket_view, check_autotune_while_training, check_torch_compile,
+          check_no_sync_and_unused,
           check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
           check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
 
@@ -570,6 +595,15 @@ def test_gradient_as_bucket_view_matches_ddp_and_releases_param_grad(outcomes):
         for backend, (diff, rebuilds, released) in out.items():
             assert rebuilds >= 2, "the limit change must have moved the shards"
             assert all(released), released
+            assert diff <= _bound(world), (backend, diff)
+
+
+def test_autotune_while_training_moves_shards_and_state_exactly(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_autotune_while_training"):
+        for backend, (diff, rebuilds, trials) in out.items():
+            assert trials >= 3 and rebuilds >= 4, ("each trial must have moved the shards",
+                                                    trials, rebuilds)
             assert diff <= _bound(world), (backend, diff)
 
 
@@ -648,3 +682,76 @@ def test_non_elementwise_optimizers_fp16_scaling_join_and_comm_hooks_are_refused
         assert "GradScaler" in messages["GradScaler"] and "bf16" in messages["GradScaler"]
         assert "ShardedOptimizer" in messages["join"]
         assert "reduce-scatter" in messages["comm hook"]
+
+
+# -- a checkpoint taken at one world size, resumed at another ---------------------------------------
+
+def check_save_at_this_world_size(rank, world):
+    """ShardedOptimizer(AdamW) for 4 steps (a layout change included); rank 0 saves the model and
+    the consolidated optimizer state (the plain format) to $FR_TEST_CHECKPOINT."""
+    import os
+    ours, opt, _, _ = _pair("shm", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
+    for step in range(4):
+        if step == 2:
+            ours.first_bucket_bytes = 3 * KB
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        _loss(ours, x, y).backward()
+        opt.step()
+    saved = {"model": ours.module.state_dict(), "opt": opt.state_dict()}
+    if rank == 0:
+        torch.save(saved, os.environ["FR_TEST_CHECKPOINT"])
+    ours.close()
+
+
+def check_resume_at_this_world_size(rank, world):
+    """The checkpoint resumed by a ShardedOptimizer and by DDP + AdamW at this world size: the
+    round trip of the state, and 3 more steps of both."""
+    import os
+    saved = torch.load(os.environ["FR_TEST_CHECKPOINT"])
+    models = []
+    for wrapper in (FusedReducer, DDP):
+        net = _net(seed=1)
+        net.load_state_dict(saved["model"])
+        models.append(wrapper(net, **({"backend": "shm"} if wrapper is FusedReducer else {})))
+    ours, ddp = models
+    opt = ShardedOptimizer(ours, torch.optim.AdamW, lr=0.5)  # the checkpoint's groups win
+    ref = torch.optim.AdamW(ddp.parameters(), lr=0.5)
+    opt.load_state_dict(saved["opt"])
+    ref.load_state_dict(saved["opt"])
+    for step in range(4, 7):
+        x, y = _batch(rank, step)
+        for model, o in ((ours, opt), (ddp, ref)):
+            o.zero_grad()
+            loss = _loss(model, x, y)
+            if model is ours and step == 4:
+                # The first forward applied this world size's sharded layout: the loaded state
+                # is split into its fragments, and consolidated again by state_dict().
+                split = ours._reducer.sharded_layout() and opt._inner is None
+                again = opt.state_dict()["state"]
+                split = split and len(opt._inner.state) > 0
+                round_trip = max((again[i][k] - v).abs().max().item()
+                                 for i, s in saved["opt"]["state"].items() for k, v in s.items())
+            loss.backward()
+            o.step()
+    out = (round_trip, _max_diff(ours.module.parameters(), ddp.module.parameters()),
+           opt.param_groups[0]["lr"], split)
+    ours.close()
+    return out
+
+
+def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, monkeypatch):
+    """Saved by ShardedOptimizer at 3 ranks, resumed at 2 (by a ShardedOptimizer and by DDP +
+    AdamW from the same file): the state, split into the fragments of the new world size's
+    layout and consolidated again, round-trips exactly, and the two then train bit-identically
+    (2 ranks)."""
+    monkeypatch.setenv("FR_TEST_CHECKPOINT", str(tmp_path / "sharded.pt"))
+    per_rank(run_checks([check_save_at_this_world_size], 3, timeout=300),
+             "check_save_at_this_world_size")
+    for round_trip, diff, lr, split in per_rank(run_checks([check_resume_at_this_world_size], 2,
+                                                     timeout=300),
+                                         "check_resume_at_this_world_size"):
+        assert split, "the loaded state must have been split into this world size's fragments"
+        assert round_trip == 0.0, round_trip
+        assert lr == 1e-2, lr
+        assert diff == 0.0, diff

@@ -29,8 +29,10 @@ except ImportError:
 check_torch_version(_BUILD_TORCH, torch.__version__)  # before _C: its load is what would fail
 
 from . import _C  # noqa: E402
-from .reducer import FusedReducer, FusedReducerError  # noqa: E402
-from .sharded import ShardedGradientError, ShardedOptimizer, ShardedOptimizerError  # noqa: E402
+from .errors import (FusedReducerError, ShardedGradientError,  # noqa: E402
+                     ShardedOptimizerError)
+from .reducer import FusedReducer  # noqa: E402
+from .sharded import ShardedOptimizer  # noqa: E402
 from .transport import make_transport  # noqa: E402
 from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes  # noqa: E402
 

@@ -10,6 +10,8 @@ flows through the same unpack into ``param.grad``. Without a hook nothing here r
 """
 import torch
 
+from .errors import FusedReducerError
+
 
 class GradBucket:
     """The bucket a hook sees, with the interface of ``torch.distributed.GradBucket``."""
@@ -74,7 +76,6 @@ def run_hook(state, hook, bucket):
         result = future.wait()
         if isinstance(result, (list, tuple)):
             # Refused, as DDP refuses it: a hook that trains here must train under DDP too.
-            from .reducer import FusedReducerError  # reducer.py imports this module
             raise FusedReducerError(
                 f"FusedReducer: the future of communication hook {_hook_name(hook)} for bucket "
                 f"{bucket.index()} holds a {type(result).__name__} of {len(result)} element(s), "

@@ -20,23 +20,49 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
+from .errors import FusedReducerError, ShardedGradientError
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
                         timeout_seconds)
-from .sharded import _ReleasedGradient
 from .settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
                        megabytes_to_bytes)
 
 _log = logging.getLogger("fused_reducer")
 
-
-class FusedReducerError(RuntimeError, ValueError):
-    """A model or setting FusedReducer cannot reduce. A RuntimeError where DDP raises one, and
-    a ValueError as earlier releases of FusedReducer raised."""
-
 DEBUG_ENV = "FUSED_REDUCER_DEBUG"
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
+
+
+class _ReleasedGradient(torch.Tensor):
+    """param.grad after a synchronised backward in sharded mode: the parameter's metadata and no
+    storage; every operation on it raises ShardedGradientError naming the parameter (Note
+    [Released gradients] in ext/reducer.cpp)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, param, name):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, strides=param.stride(), storage_offset=param.storage_offset(),
+            dtype=param.dtype, device=param.device, requires_grad=False)
+        self.parameter_name = name
+        return self
+
+    def __repr__(self):
+        return (f"<released gradient of '{self.parameter_name}': averaged only as shards of a "
+                "ShardedOptimizer>")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.parameter_name for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, cls)]
+        raise ShardedGradientError(
+            f"param.grad of '{names[0]}' was used ({func}) after a synchronised backward with a "
+            "ShardedOptimizer: the averaged gradients exist only as shards across the ranks, and "
+            "this rank's local gradient was released. Clip with opt.clip_grad_norm_(max_norm) "
+            "(the global norm, as torch.nn.utils.clip_grad_norm_ under DDP) instead of a torch "
+            "utility over model.parameters(); call opt.step() and opt.zero_grad() before the "
+            "next backward; accumulate micro-batches under model.no_sync().")
 
 
 class FusedReducer(nn.Module, Joinable):
@@ -370,7 +396,9 @@ class FusedReducer(nn.Module, Joinable):
         if self._tuner is not None and self._tuner.state != "done":
             raise FusedReducerError(
                 "ShardedOptimizer: autotune is still measuring with all-reduce; construct the "
-                "ShardedOptimizer first, or let autotune finish (autotune_report()['done'])")
+                "ShardedOptimizer before starting it (FusedReducer(..., autotune=False), then "
+                "model.autotune() after the ShardedOptimizer), or let it finish "
+                "(autotune_report()['done'])")
         self._enter_sharded_mode()
         self._sharded = True
         self._sharded_optimizer = weakref.ref(optimizer)

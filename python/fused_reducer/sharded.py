@@ -53,7 +53,7 @@ contains a compiled module, all all-gathers are finished before the forward inst
 
 After a synchronised backward in sharded mode the averaged gradients exist only as shards: the
 local, unreduced gradients are released once their bucket is reduced, and param.grad holds a
-placeholder (_ReleasedGradient: the parameter's shape and dtype, no values) until step(),
+placeholder (reducer.py's _ReleasedGradient: the parameter's shape and dtype, no values) until step(),
 zero_grad() or the next forward. Reading it raises ShardedGradientError naming the parameter, so
 torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a hand-written norm
 fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_`` (the norm
@@ -65,51 +65,14 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .errors import ShardedOptimizerError
+from .reducer import FusedReducer
 
 # Optimizers whose update of an element depends only on that element's gradient, state and the
 # group's hyperparameters (and a per-parameter step count).
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop,
                torch.optim.Adadelta, torch.optim.Rprop)
-
-
-class ShardedOptimizerError(ValueError):
-    pass
-
-
-class ShardedGradientError(RuntimeError):
-    """param.grad was read after a synchronised backward in sharded mode."""
-
-
-class _ReleasedGradient(torch.Tensor):
-    """param.grad after a synchronised backward in sharded mode: the parameter's metadata and no
-    storage; every operation on it raises ShardedGradientError naming the parameter (Note
-    [Released gradients] in ext/reducer.cpp)."""
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, param, name):
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, param.shape, strides=param.stride(), storage_offset=param.storage_offset(),
-            dtype=param.dtype, device=param.device, requires_grad=False)
-        self.parameter_name = name
-        return self
-
-    def __repr__(self):
-        return (f"<released gradient of '{self.parameter_name}': averaged only as shards of a "
-                "ShardedOptimizer>")
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        names = [a.parameter_name for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, cls)]
-        raise ShardedGradientError(
-            f"param.grad of '{names[0]}' was used ({func}) after a synchronised backward with a "
-            "ShardedOptimizer: the averaged gradients exist only as shards across the ranks, and "
-            "this rank's local gradient was released. Clip with opt.clip_grad_norm_(max_norm) "
-            "(the global norm, as torch.nn.utils.clip_grad_norm_ under DDP) instead of a torch "
-            "utility over model.parameters(); call opt.step() and opt.zero_grad() before the "
-            "next backward; accumulate micro-batches under model.no_sync().")
 
 
 class _Fragment:
@@ -158,7 +121,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model, optimizer_class, params=None, master_dtype=None,
                  overlap_param_gather=False, **defaults):
-        from .reducer import FusedReducer
         if not isinstance(model, FusedReducer):
             raise ShardedOptimizerError(
                 f"ShardedOptimizer: model must be a fused_reducer.FusedReducer, got "

@@ -1,0 +1,15 @@
+"""The exceptions FusedReducer raises, in one module every other one can import."""
+
+
+class FusedReducerError(RuntimeError, ValueError):
+    """A model or setting FusedReducer cannot reduce. A RuntimeError where DDP raises one, and
+    a ValueError as earlier releases of FusedReducer raised."""
+
+
+class ShardedOptimizerError(ValueError):
+    """A ShardedOptimizer cannot be built or stepped as asked (python/fused_reducer/sharded.py)."""
+
+
+class ShardedGradientError(RuntimeError):
+    """param.grad was read after a synchronised backward in sharded mode (Note [Released
+    gradients] in ext/reducer.cpp)."""
