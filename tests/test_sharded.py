@@ -11,6 +11,8 @@ transports:
 - clip_grad_norm_: DDP's norm (torch.nn.utils.clip_grad_norm_) and DDP's parameters after it;
   torch.nn.utils.clip_grad_norm_ over model.parameters() raises ShardedGradientError naming a
   parameter (param.grad holds a released-gradient placeholder until step()/zero_grad());
+- collectives counted by torch's profiler: one reduce-scatter and one all-gather per bucket, the
+  first reduce-scatter started while backward still runs;
 - autotune started while training (every trial moves the shards and the state);
 - gradient_as_bucket_view=True, and torch.compile (aot_eager) around the model or inside it with
   overlapped all-gathers, train like DDP wrapped the same way;
@@ -196,6 +198,43 @@ def check_gradient_as_bucket_view(rank, world):
         out[backend] = (_max_diff(ours.module.parameters(), ddp.module.parameters()),
                         ours.stats()["rebuilds"], released)
         ours.close()
+    return out
+
+
+def check_collectives_and_overlap(rank, world):
+    """One parameter per bucket (12 buckets), counted by torch's profiler, not by our stats: a
+    synchronised step issues one reduce-scatter per bucket (on gloo: the in-place all-reduce
+    that stands for it, Note [Process-group reduce-scatter and all-gather]) and one all-gather
+    per bucket, nothing else; the first reduce-scatter starts before the last layer's backward
+    does (it overlaps backward)."""
+    from torch.profiler import ProfilerActivity, profile
+    names = {"shm": ("shm:reduce_scatter", "shm:all_gather"),
+             "process_group": ("c10d::allreduce_", "c10d::_allgather_base_")}
+    out = {}
+    for backend in BACKENDS:
+        torch.manual_seed(0)
+        model = FusedReducer(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]),
+                             backend=backend, first_bucket_mb=1e-6, bucket_cap_mb=1e-6)
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        x = torch.randn(16, 64)
+        for _ in range(2):  # the sharded layout, then the rebuild in the observed order
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        events = prof.events()
+        scatter, gather = names[backend]
+        collectives = sorted(e.name for e in events
+                             if e.name.startswith(("c10d::", "shm:")))
+        starts = sorted(e.time_range.start for e in events if e.name == scatter)
+        backward = sorted(e.time_range.start for e in events
+                          if e.name.startswith("autograd::engine::evaluate_function: Addmm"))
+        out[backend] = (collectives.count(scatter), collectives.count(gather), len(collectives),
+                        starts[0] < backward[-1], len(model.bucket_sizes()))
+        model.close()
     return out
 
 
@@ -539,7 +578,8 @@ def check_refusals(rank, world):
 
 
 CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_grad_norm,
-          check_gradient_as_bucket_view, check_autotune_while_training, check_torch_compile,
+          check_gradient_as_bucket_view, check_collectives_and_overlap,
+          check_autotune_while_training, check_torch_compile,
           check_no_sync_and_unused,
           check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
           check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
@@ -596,6 +636,16 @@ def test_gradient_as_bucket_view_matches_ddp_and_releases_param_grad(outcomes):
             assert rebuilds >= 2, "the limit change must have moved the shards"
             assert all(released), released
             assert diff <= _bound(world), (backend, diff)
+
+
+def test_one_reduce_scatter_and_one_all_gather_per_bucket_and_the_first_overlaps_backward(
+        outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_collectives_and_overlap"):
+        for backend, (scatters, gathers, total, overlapped, buckets) in out.items():
+            assert buckets == 12, buckets
+            assert (scatters, gathers, total) == (12, 12, 24), (backend, scatters, gathers, total)
+            assert overlapped, (backend, "the first reduce-scatter waited for backward's end")
 
 
 def test_autotune_while_training_moves_shards_and_state_exactly(outcomes):
