@@ -391,9 +391,11 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 // by hand) would then silently see no gradient and compute something else.
 // param.grad becomes a placeholder instead (python/fused_reducer/sharded.py,
 // _ReleasedGradient: the parameter's metadata, no storage) whose every use
-// raises naming the parameter and opt.clip_grad_norm_. It is cleared (None)
-// by the optimizer's step() and zero_grad(), and by the next forward with
-// gradients enabled, so that autograd never accumulates into it.
+// raises naming the parameter and opt.clip_grad_norm_. It stays through the
+// optimizer's step() (a plain optimizer leaves param.grad set, and code that
+// logs it after step() must not read None), and is cleared (None) by
+// zero_grad() and by the next forward with gradients enabled, so that
+// autograd never accumulates into it.
 void Reducer::release_local_gradients(Bucket& bucket) {
   for (const int64_t index : bucket.params) {
     at::Tensor& grad = params_[index].mutable_grad();

@@ -10,7 +10,8 @@ transports:
   forward (module pre-hooks) and by model.state_dict(); parameters still DDP's;
 - clip_grad_norm_: DDP's norm (torch.nn.utils.clip_grad_norm_) and DDP's parameters after it;
   torch.nn.utils.clip_grad_norm_ over model.parameters() raises ShardedGradientError naming a
-  parameter (param.grad holds a released-gradient placeholder until step()/zero_grad());
+  parameter (param.grad holds a released-gradient placeholder until zero_grad() or the next
+  forward, through step(); reading it after step() raises too);
 - collectives counted by torch's profiler: one reduce-scatter and one all-gather per bucket, the
   first reduce-scatter started while backward still runs;
 - autotune started while training (every trial moves the shards and the state);
@@ -163,8 +164,14 @@ def check_clip_grad_norm(rank, world):
             theirs = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
             opt.step()
             ref.step()
+            try:  # a gradient norm logged after step(), as under DDP
+                torch.linalg.vector_norm(next(ours.parameters()).grad)
+                after_step = None
+            except ShardedGradientError as e:
+                after_step = str(e)
+            opt.zero_grad()
             cleared = all(p.grad is None for p in ours.parameters())
-            norms.append((mine.item(), theirs.item(), loud, cleared))
+            norms.append((mine.item(), theirs.item(), loud, after_step, cleared))
         out[backend] = (norms, _max_diff(ours.module.parameters(), ddp.module.parameters()))
         ours.close()
     return out
@@ -621,11 +628,12 @@ def test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_gr
     world, outcomes = outcomes
     for out in per_rank(outcomes, "check_clip_grad_norm"):
         for backend, (norms, diff) in out.items():
-            for mine, theirs, loud, cleared in norms:
+            for mine, theirs, loud, after_step, cleared in norms:
                 assert abs(mine - theirs) <= 1e-5 * theirs, (backend, mine, theirs)
                 assert loud is not None, "clip_grad_norm_(model.parameters()) must not pass"
                 assert "opt.clip_grad_norm_" in loud and "'0.weight'" in loud, loud
-                assert cleared, "step() leaves param.grad None, as zero_grad() would"
+                assert after_step is not None and "'0.weight'" in after_step, after_step
+                assert cleared, "zero_grad() leaves param.grad None"
             assert diff <= 1e-6, (backend, diff)
 
 

@@ -53,11 +53,12 @@ contains a compiled module, all all-gathers are finished before the forward inst
 
 After a synchronised backward in sharded mode the averaged gradients exist only as shards: the
 local, unreduced gradients are released once their bucket is reduced, and param.grad holds a
-placeholder (reducer.py's _ReleasedGradient: the parameter's shape and dtype, no values) until step(),
-zero_grad() or the next forward. Reading it raises ShardedGradientError naming the parameter, so
-torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a hand-written norm
-fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_`` (the norm
-over all shards). Note [Released gradients] in ext/reducer.cpp.
+placeholder (reducer.py's _ReleasedGradient: the parameter's shape and dtype, no values) until
+zero_grad() or the next forward, through step() (where a plain optimizer leaves its gradients).
+Reading it raises ShardedGradientError naming the parameter, so
+torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a gradient norm logged
+after step() fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_``
+(the norm over all shards). Note [Released gradients] in ext/reducer.cpp.
 """
 import sys
 
@@ -358,7 +359,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # before the next backward updates nothing.
         for f in self._fragments:
             f.opt.grad = None
-        self.model._reducer.clear_released_gradients()
         self._cleared_step = self._attached_step
         self._all_gather_parameters()
         return loss
