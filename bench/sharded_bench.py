@@ -17,6 +17,8 @@ data) is the independent reference both are measured against.
     python bench/sharded_bench.py --model large,resnet18 --steps 12
     python bench/sharded_bench.py --model real --ways ddp,sharded --steps 47 --warmup 3 \
         --nranks 4 --transport process_group --float64-reference     # exactness, 50 steps
+
+--optimizer sgd runs every way with SGD (momentum 0.9) instead of AdamW.
 """
 import argparse
 import os
@@ -34,6 +36,11 @@ from common import add_launch_args, ddp_best_kwargs, launch, median, print0  # n
 from models import ModelSpec, expand  # noqa: E402
 
 WAYS = ("ddp", "sharded", "sharded-overlap", "zero")
+# --optimizer: AdamW (the default), or SGD with momentum, whose update is linear in the gradient
+# (AdamW's is about lr * sign(g) where g is zero up to rounding: last-bit differences of the
+# summation order can flip it).
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)),
+              "sgd": (torch.optim.SGD, dict(lr=1e-4, momentum=0.9))}
 
 
 def state_bytes(states):
@@ -43,21 +50,21 @@ def state_bytes(states):
 
 def build(way, spec, ctx, args):
     module = spec.build(ctx.device)
-    kwargs = dict(lr=1e-4, weight_decay=0.1)
+    optimizer_class, kwargs = OPTIMIZERS[args.optimizer]
     if way == "f64":
         module = module.double()
     if way.startswith("sharded"):
         model = fused_reducer.FusedReducer(module, first_bucket_mb=args.first_mb,
                                            bucket_cap_mb=args.cap_mb, backend=args.transport)
         return model, fused_reducer.ShardedOptimizer(
-            model, torch.optim.AdamW, overlap_param_gather=way == "sharded-overlap", **kwargs)
+            model, optimizer_class, overlap_param_gather=way == "sharded-overlap", **kwargs)
     ddp_kwargs, why = ddp_best_kwargs(args.first_mb, args.cap_mb)
     if why:
         raise SystemExit(f"sharded_bench: {why}; use --first-mb equal to --cap-mb")
     model = DDP(module, **ddp_kwargs)
     if way == "zero":
-        return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kwargs)
-    return model, torch.optim.AdamW(model.parameters(), **kwargs)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class, **kwargs)
+    return model, optimizer_class(model.parameters(), **kwargs)
 
 
 def optimizer_state(way, opt):
@@ -177,6 +184,8 @@ def main(argv=None):
                         help=f"comma-separated, of {', '.join(WAYS)} (default all)")
     parser.add_argument("--transport", choices=("auto", "shm", "process_group"), default="auto",
                         help="FusedReducer's transport (default auto: shared memory on one host)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                        help="the torch optimizer of every way (default adamw)")
     parser.add_argument("--float64-reference", action="store_true",
                         help="also train DDP + AdamW on a float64 copy (untimed) and print both "
                              "runs' distance from it")

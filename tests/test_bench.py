@@ -488,3 +488,32 @@ def test_step_bench_models_match_their_description():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert torch.equal(small.input(0, 3, "cpu"), small.input(0, 3, "cpu"))
     assert not torch.equal(small.input(0, 3, "cpu"), small.input(1, 3, "cpu"))
+
+
+def test_sharded_bench_smoke_float64_reference_and_plot(tmp_path):
+    """bench/sharded_bench.py on a small model at 2 ranks: the sharded run is bit-identical to
+    DDP's (a sum of two has one order) and as far from the float64 reference; the state per rank
+    is halved; every way is timed; the plot is a PNG. Also the process-group transport, SGD."""
+    png = tmp_path / "sharded.png"
+    result = run_bench("sharded_bench.py", "--model", "many-small", "--steps", "2",
+                       "--warmup", "1", "--float64-reference", "--plot", str(png))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "shm transport" in out and "max |ddp - sharded| parameter 0.00e+00" in out, out
+    import re
+    ddp_f64, sharded_f64 = map(float, re.search(
+        r"float64 reference: max \|ddp - f64\| (\S+), max \|sharded - f64\| (\S+)", out).groups())
+    assert ddp_f64 == sharded_f64 > 0, out
+    states = {line.split()[0]: line.split("per rank ")[1] for line in out.splitlines()
+              if "optimizer state per rank" in line}
+    assert set(states) == {"ddp", "sharded", "sharded-overlap", "zero"}, out
+    ddp_mib, sharded_mib = (float(states[w].split(",")[0]) for w in ("ddp", "sharded"))
+    assert abs(sharded_mib - ddp_mib / 2) <= 0.1, states
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    result = run_bench("sharded_bench.py", "--model", "many-small", "--steps", "1",
+                       "--warmup", "0", "--ways", "ddp,sharded", "--transport", "process_group",
+                       "--optimizer", "sgd")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "process_group transport" in result.stdout, result.stdout
+    assert "max |ddp - sharded| parameter 0.00e+00" in result.stdout, result.stdout
+    assert "zero" not in result.stdout.split("parameter 0.00e+00")[1], result.stdout

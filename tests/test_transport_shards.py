@@ -6,7 +6,8 @@ all-gather], Note [Shared-memory reduce-scatter and all-gather]).
 - reduce-scatter: this rank's shard is bit-identical to the same transport's all-reduce of the
   same inputs, and within rounding of a float64 sum; the shm transport's also to gloo's (two
   transports, one sum for two ranks; the shm sum in rank order otherwise);
-- all-gather: every rank's shard arrives exactly, whatever the other shards held before;
+- all-gather: every rank's shard arrives bit for bit (signed zeros, infinities and NaN included),
+  whatever the other shards held before;
 - sizes across the shm chunk edges (256 KiB chunks, buckets of up to three) and tiny ones (one
   element per rank), float32, float64, bfloat16, int32, int64;
 - refusals: a number of elements that is not a multiple of the world size (naming both), a
@@ -54,6 +55,23 @@ def rank_input(rank, numel, dtype):
     return (torch.randn(numel, generator=g, dtype=torch.float64) * (rank + 1)).to(dtype)
 
 
+def gather_input(rank, numel, dtype, world):
+    """Rank `rank`'s shard for the all-gather: its input, starting with +0.0, -0.0, inf, -inf
+    and NaN where the dtype has them."""
+    mine = shard(rank_input(rank, numel, dtype), rank, world).clone()
+    if dtype.is_floating_point:
+        special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")],
+                               dtype=dtype)[:mine.numel()]
+        mine[:special.numel()] = special
+    return mine
+
+
+def bits(tensor):
+    """The tensor's bytes as integers of its width (torch.equal takes -0.0 == 0.0, NaN != NaN)."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                        8: torch.int64}[tensor.element_size()])
+
+
 def transports(world):
     """(name, transport) for the process group and the shm transport; the caller closes them."""
     shm, why_not = transport_module.shm_transport(dist.group.WORLD, 30.0, chunk_bytes=CHUNK)
@@ -98,12 +116,12 @@ def check_reduce_scatter_and_all_gather(rank, world):
                         world == 2 or not dtype.is_floating_point):
                     out["vs_gloo"].append((str(dtype), n))  # one rounding: must agree
                 # All-gather: this rank's shard in, everyone's out; the rest held garbage.
+                # Compared bit for bit: signed zeros, infinities and NaN must arrive as sent.
                 gathered = torch.full((n,), -7, dtype=dtype)
-                shard(gathered, rank, world).copy_(shard(x, rank, world))
+                shard(gathered, rank, world).copy_(gather_input(rank, n, dtype, world))
                 transport.all_gather(gathered, f"bucket {n}").wait(30.0)
-                expected = torch.cat([shard(rank_input(r, n, dtype), r, world)
-                                      for r in range(world)])
-                if not torch.equal(gathered, expected):
+                expected = torch.cat([gather_input(r, n, dtype, world) for r in range(world)])
+                if not torch.equal(bits(gathered), bits(expected)):
                     out["gather_wrong"].append((name, str(dtype), n))
         transport.close(5.0)
     return out
