@@ -369,7 +369,12 @@ class FusedReducer(nn.Module, Joinable):
 
     @torch.compiler.disable
     def _before_sharded_forward(self, traced):
-        """`traced`: this forward is being compiled (Note [Overlapped parameter all-gather])."""
+        """Before a sharded forward's module runs: when this forward records a graph, the
+        released-gradient placeholders are cleared, so that neither the forward nor autograd's
+        accumulation ever sees one (Note [Released gradients] in ext/reducer.cpp); `traced`:
+        this forward is being compiled (Note [Overlapped parameter all-gather])."""
+        if torch.is_grad_enabled():
+            self._reducer.clear_released_gradients()
         optimizer = self.__dict__.get("_sharded_optimizer")
         optimizer = optimizer() if optimizer is not None else None
         if optimizer is not None:
@@ -378,12 +383,8 @@ class FusedReducer(nn.Module, Joinable):
     @torch.compiler.disable
     def _before_sharded_backward(self):
         """After a sharded forward, before backward refills the buckets: the parameter
-        all-gathers still in flight are finished, and (when this forward records a graph) the
-        released-gradient placeholders are cleared, so autograd never accumulates into one
-        (Note [Released gradients] in ext/reducer.cpp)."""
+        all-gathers still in flight are finished."""
         self._finish_param_gather()
-        if torch.is_grad_enabled():
-            self._reducer.clear_released_gradients()
 
     def state_dict(self, *args, **kwargs):
         self._finish_param_gather()
