@@ -11,8 +11,8 @@ train with AdamW across ranks (issue 23):
 They run interleaved, one step each per round, on the same model and data; the medians of
 the timed rounds are printed with each rank's optimizer state bytes. The parameters of ddp and
 sharded are compared at the end (they must agree up to the summation order). With
---float64-reference a fifth, untimed run (DDP + AdamW on a float64 copy of the model, the same
-data) is the independent reference both are measured against.
+--float64-reference one more, untimed run (DDP + the optimizer on a float64 copy of the model,
+the same data) is the independent reference both are measured against.
 
     python bench/sharded_bench.py --model large,resnet18 --steps 12
     python bench/sharded_bench.py --model real --ways ddp,sharded --steps 47 --warmup 3 \
@@ -37,8 +37,7 @@ from models import ModelSpec, expand  # noqa: E402
 
 WAYS = ("ddp", "sharded", "sharded-overlap", "zero")
 # --optimizer: AdamW (the default), or SGD with momentum, whose update is linear in the gradient
-# (AdamW's is about lr * sign(g) where g is zero up to rounding: last-bit differences of the
-# summation order can flip it).
+# (to tell whether a difference from DDP grows in the model or in the optimizer).
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)),
               "sgd": (torch.optim.SGD, dict(lr=1e-4, momentum=0.9))}
 
@@ -147,7 +146,7 @@ def worker(ctx, args):
 
 
 def plot(rows, path, title):
-    """Two panels per model: step time relative to DDP + AdamW, and the largest optimizer state
+    """Two panels per model: step time relative to DDP's, and the largest optimizer state
     of a rank (MiB), one bar per way."""
     import matplotlib
     matplotlib.use("Agg")
@@ -156,7 +155,7 @@ def plot(rows, path, title):
     ways = list(dict.fromkeys(r["way"] for r in rows))
     width = 0.8 / len(ways)
     fig, axes = plt.subplots(1, 2, figsize=(3 + 2.2 * len(models), 3.6))
-    for ax, key, label in ((axes[0], "ratio", "step time / DDP + AdamW"),
+    for ax, key, label in ((axes[0], "ratio", "step time / DDP's"),
                            (axes[1], "state_mib", "optimizer state per rank (MiB)")):
         for k, way in enumerate(ways):
             got = {r["model"]: r[key] for r in rows if r["way"] == way}
@@ -187,8 +186,8 @@ def main(argv=None):
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                         help="the torch optimizer of every way (default adamw)")
     parser.add_argument("--float64-reference", action="store_true",
-                        help="also train DDP + AdamW on a float64 copy (untimed) and print both "
-                             "runs' distance from it")
+                        help="also train DDP + the optimizer on a float64 copy (untimed) and "
+                             "print both runs' distance from it")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also a bar chart: step time relative to DDP and optimizer state "
                              "per rank, per model and way")

@@ -389,7 +389,7 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 // A released gradient is not left None: torch utilities that read param.grad
 // (clip_grad_norm_ over model.parameters(), GradScaler.unscale_, a norm logged
 // by hand) would then silently see no gradient and compute something else.
-// param.grad becomes a placeholder instead (python/fused_reducer/sharded.py,
+// param.grad becomes a placeholder instead (python/fused_reducer/reducer.py,
 // _ReleasedGradient: the parameter's metadata, no storage) whose every use
 // raises naming the parameter and opt.clip_grad_norm_. It stays through the
 // optimizer's step() (a plain optimizer leaves param.grad set, and code that

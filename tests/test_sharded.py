@@ -73,6 +73,14 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
+def _step_each(pairs, x, y):
+    """One training step of each (model, optimizer) pair on the same batch."""
+    for model, o in pairs:
+        o.zero_grad()
+        _loss(model, x, y).backward()
+        o.step()
+
+
 def _max_diff(a_params, b_params):
     return max((a - b).abs().max().item() for a, b in zip(a_params, b_params))
 
@@ -129,10 +137,7 @@ def check_overlapped_param_gather(rank, world):
             if step == 3:
                 ours.first_bucket_bytes = 3 * KB
             x, y = _batch(rank, step)
-            for model, o in ((ours, opt), (ddp, ref)):
-                o.zero_grad()
-                _loss(model, x, y).backward()
-                o.step()
+            _step_each(((ours, opt), (ddp, ref)), x, y)
             in_flight.append(len(opt._gathers))
             if step == 4:
                 saved = ours.state_dict()
@@ -256,10 +261,7 @@ def check_autotune_while_training(rank, world):
         steps = 0
         while not ours.autotune_report()["done"] or steps < 3:
             x, y = _batch(rank, steps)
-            for model, o in ((ours, opt), (ddp, ref)):
-                o.zero_grad()
-                _loss(model, x, y).backward()
-                o.step()
+            _step_each(((ours, opt), (ddp, ref)), x, y)
             steps += 1
             assert steps < 60, "autotune did not finish"
         out[backend] = (_max_diff(ours.module.parameters(), ddp.module.parameters()),
@@ -295,10 +297,7 @@ def check_torch_compile(rank, world):
                 if step == 3:
                     ours.first_bucket_bytes = 3 * KB
                 x, y = _batch(rank, step)
-                for model, o in ((compiled_ours, opt), (compiled_ddp, ref)):
-                    o.zero_grad()
-                    _loss(model, x, y).backward()
-                    o.step()
+                _step_each(((compiled_ours, opt), (compiled_ddp, ref)), x, y)
             opt.finish_param_gather()
             out[(backend, order)] = (
                 _max_diff(ours.module.parameters(), ddp.module.parameters()),
@@ -356,10 +355,7 @@ def check_reduce_dtype_and_autocast(rank, world):
         ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         for step in range(5):
             x, y = _batch(rank, step)
-            for model, o in ((plain, plain_opt), (ours, opt)):
-                o.zero_grad()
-                _loss(model, x, y).backward()
-                o.step()
+            _step_each(((plain, plain_opt), (ours, opt)), x, y)
             for model, o in ((amp, amp_opt), (ddp, ddp_opt)):
                 o.zero_grad()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -454,10 +450,7 @@ def check_edge_cases(rank, world):
             opt.add_param_group({"params": mine[2:], "lr": 0.05})
             ref.add_param_group({"params": theirs[2:], "lr": 0.05})
         x, y = _batch(rank, step)
-        for model, o in ((ours, opt), (ddp, ref)):
-            o.zero_grad()
-            _loss(model, x, y).backward()
-            o.step()
+        _step_each(((ours, opt), (ddp, ref)), x, y)
     out["add_param_group"] = _max_diff(mine, theirs)
     ours.close()
 
@@ -504,10 +497,7 @@ def check_state_bytes(rank, world):
     ours, opt, ddp, ref = _pair("process_group", torch.optim.AdamW, dict(lr=1e-2))
     for step in range(2):
         x, y = _batch(rank, step)
-        for model, o in ((ours, opt), (ddp, ref)):
-            o.zero_grad()
-            _loss(model, x, y).backward()
-            o.step()
+        _step_each(((ours, opt), (ddp, ref)), x, y)
     mine = state_bytes(opt._inner.state.values())
     plain = state_bytes(ref.state.values())
     ours.close()
@@ -532,10 +522,7 @@ def check_checkpoints_in_the_plain_format(rank, world):
     opt.load_state_dict(saved["opt"])
     for step in range(3, 6):
         x, y = _batch(rank, step)
-        for model, o in ((ours, opt), (ddp, ref)):
-            o.zero_grad()
-            _loss(model, x, y).backward()
-            o.step()
+        _step_each(((ours, opt), (ddp, ref)), x, y)
     resumed_here = _max_diff(ours.module.parameters(), ddp.module.parameters())
     # And back: this optimizer's state_dict() is the plain format a plain AdamW takes.
     back = opt.state_dict()

@@ -263,7 +263,7 @@ class FusedReducer(nn.Module, Joinable):
             self._before_sharded_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
         if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
-            self._before_sharded_backward()
+            self._finish_param_gather()  # before backward refills the buckets
         if self.find_unused_parameters and self._require_forward_param_sync:
             self._hook_outputs(output)
         return output
@@ -362,10 +362,14 @@ class FusedReducer(nn.Module, Joinable):
     def _finish_param_gather(self):
         """A ShardedOptimizer's parameter all-gathers left in flight by step()
         (overlap_param_gather): finished. See Note [Overlapped parameter all-gather]."""
-        optimizer = self.__dict__.get("_sharded_optimizer")
-        optimizer = optimizer() if optimizer is not None else None
+        optimizer = self._live_sharded_optimizer()
         if optimizer is not None and optimizer._gathers:
             optimizer.finish_param_gather()
+
+    def _live_sharded_optimizer(self):
+        """The ShardedOptimizer of this model, None if there is none (or it was dropped)."""
+        ref = self.__dict__.get("_sharded_optimizer")
+        return ref() if ref is not None else None
 
     @torch.compiler.disable
     def _before_sharded_forward(self, traced):
@@ -375,16 +379,9 @@ class FusedReducer(nn.Module, Joinable):
         this forward is being compiled (Note [Overlapped parameter all-gather])."""
         if torch.is_grad_enabled():
             self._reducer.clear_released_gradients()
-        optimizer = self.__dict__.get("_sharded_optimizer")
-        optimizer = optimizer() if optimizer is not None else None
+        optimizer = self._live_sharded_optimizer()
         if optimizer is not None:
             optimizer.finish_before_forward(traced)
-
-    @torch.compiler.disable
-    def _before_sharded_backward(self):
-        """After a sharded forward, before backward refills the buckets: the parameter
-        all-gathers still in flight are finished."""
-        self._finish_param_gather()
 
     def state_dict(self, *args, **kwargs):
         self._finish_param_gather()
