@@ -2,7 +2,9 @@
 before and after a runtime first-bucket change, next to DDP on the same model.
 
     torchrun --nproc-per-node 2 examples/train_demo.py      # or: python examples/train_demo.py
+    torchrun --nproc-per-node 2 examples/train_demo.py --backend process_group   # gloo transport
 """
+import argparse
 import os
 import sys
 
@@ -15,10 +17,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fused_reducer
 
 MiB = 1 << 20
+# Each all-reduce shows in torch.profiler as exactly one of these: a collective of a c10d process
+# group (DDP's, and FusedReducer's backend="process_group") passes through the dispatcher op
+# 'c10d::allreduce_' (gloo adds its own 'gloo:all_reduce' inside it: not counted, or it would
+# count twice); FusedReducer's shared-memory transport (the default for CPU ranks of one host)
+# bypasses c10d and records 'shm:all_reduce' (ext/shm_transport.cpp).
+ALLREDUCE_EVENTS = ("c10d::allreduce_", "shm:all_reduce")
 
 
 def count_allreduces(step_fn):
-    """Collectives in one step, counted by the profiler (independently of FusedReducer.stats())."""
+    """All-reduces in one step, counted by the profiler (independently of FusedReducer.stats())."""
     saved = os.dup(2)  # the profiler prints a start/stop line per use on stderr: hide them
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
@@ -29,7 +37,7 @@ def count_allreduces(step_fn):
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-    return sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
+    return sum(1 for e in prof.events() if e.name in ALLREDUCE_EVENTS)
 
 
 def make_model():
@@ -37,7 +45,8 @@ def make_model():
     return nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 8.4 MB of fp32 gradients
 
 
-def train(model, steps, on_step=None):
+def train(model, steps, on_step=None, count=count_allreduces):
+    """`steps` SGD steps; the all-reduces of each, as `count(step_fn)` returns them."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = dist.get_rank()
     rows = []
@@ -50,11 +59,11 @@ def train(model, steps, on_step=None):
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
-        rows.append(count_allreduces(one_step))
+        rows.append(count(one_step))
     return rows
 
 
-def main():
+def main(backend="auto"):
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"FusedReducer demo: {world} ranks, gloo, model 8 x Linear(512,512), "
@@ -64,7 +73,8 @@ def main():
     counts = train(ddp, 4)
     say(f"DDP (default buckets):                all-reduces per step {counts}")
 
-    model = fused_reducer.FusedReducer(make_model())
+    model = fused_reducer.FusedReducer(make_model(), backend=backend)
+    say(f"FusedReducer transport: {model.backend} (backend={backend!r})")
     layouts = []
 
     def change(step):
@@ -83,24 +93,28 @@ def main():
         f"(all-reduces per step {counts})")
 
 
-def _spawned(rank, world, port):
+def _spawned(rank, world, port, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
     dist.init_process_group("gloo")
-    main()
+    main(backend)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="auto", choices=("auto", "shm", "process_group"),
+                        help="FusedReducer's transport (default auto: shared memory here)")
+    backend = parser.parse_args().backend
     torch.set_num_threads(1)
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("gloo")
-        main()
+        main(backend)
         dist.destroy_process_group()
     else:
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, port), nprocs=2)
+        mp.spawn(_spawned, args=(2, port, backend), nprocs=2)
         sys.exit(0)
