@@ -10,9 +10,11 @@ Trainer subclass) (wrapper fused) on a tiny GPT-2 or BERT built from a config (n
 gradient accumulation 2, max_grad_norm, evaluation and a checkpoint every 3 steps, 6 steps.
 accelerate: accelerate's custom loop (prepare(model, optimizer, dataloader), accumulate,
 clip_grad_norm_, gather, save_state after 3 optimizer steps / load_state), bf16 autocast on CPU,
-with accelerate.Accelerator (ddp) or fused_reducer.accelerate.Accelerator (fused).
+with accelerate.Accelerator (ddp) or fused_reducer.accelerate.Accelerator (fused; sharded: with
+a ShardedOptimizer, whose norm accelerator.clip_grad_norm_ must take over all shards).
 """
 import argparse
+import faulthandler
 import os
 
 import torch
@@ -23,6 +25,7 @@ ACCUMULATE = 2
 BATCH = 4          # per rank and micro-batch
 SEQ = 16
 VOCAB = 64
+LIFE_S = 200       # a worker ends itself after this (stacks on stderr): never outlives its test
 
 
 def tiny_model(kind, dropout=0.1):
@@ -111,9 +114,15 @@ def run_accelerate(args, rank):
     # masks: a resumed run differs from the uninterrupted one by 1e-2 under DDP too (measured).
     # The Trainer restores its RNG after creating the iterator, so it keeps dropout.
     model = tiny_model("gpt2", dropout=0.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(dataset("gpt2", 96, 1), batch_size=BATCH, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.wrapper == "sharded":  # the optimizer needs the prepared model (the FusedReducer)
+        import fused_reducer
+        model = accelerator.prepare(model)
+        optimizer = fused_reducer.ShardedOptimizer(model, torch.optim.AdamW, lr=3e-3)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses, norms, steps = [], [], 0
     if args.resume:
         accelerator.load_state(args.resume)
@@ -124,7 +133,7 @@ def run_accelerate(args, rank):
             loss = model(**batch).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item())
             optimizer.step()
             optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach().reshape(1)).tolist())
@@ -143,18 +152,81 @@ def run_accelerate(args, rank):
     }
 
 
+def run_checks(args, rank):
+    """What accelerate does around DDP, on FusedReducer and on DDP side by side (one process)."""
+    import accelerate
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import fused_reducer
+    from fused_reducer.accelerate import Accelerator
+
+    def handler(**kwargs):
+        return [DistributedDataParallelKwargs(**kwargs)]
+
+    def batch(seed):
+        return {k: v.unsqueeze(0).repeat(2, 1) for k, v in dataset("gpt2", 1, 10 * seed + rank)[0].items()}
+
+    out = {}
+    # DistributedDataParallelKwargs become FusedReducer's arguments; fused_reducer_kwargs win.
+    given = dict(bucket_cap_mb=10, find_unused_parameters=True, gradient_as_bucket_view=True,
+                 broadcast_buffers=False)
+    for name, ours in (("from_ddp", {}), ("ours_win", {"bucket_cap_mb": 20, "backend": "process_group"})):
+        model = Accelerator(cpu=True, kwargs_handlers=handler(**given),
+                            fused_reducer_kwargs=ours).prepare(tiny_model("gpt2"))
+        out[name] = {"bucket_cap_bytes": model.bucket_cap_bytes, "backend": model.backend,
+                     "find_unused_parameters": model.find_unused_parameters,
+                     "gradient_as_bucket_view": model.gradient_as_bucket_view,
+                     "forward_sync_buffers": model.forward_sync_buffers}
+        model.close()
+    # A DDP argument FusedReducer refuses raises at prepare(), naming it.
+    try:
+        Accelerator(cpu=True, kwargs_handlers=handler(static_graph=True)).prepare(tiny_model("gpt2"))
+        out["static_graph"] = "accepted"
+    except fused_reducer.FusedReducerError as e:
+        out["static_graph"] = str(e)
+
+    def grads(acc, model):
+        return {n: p.grad.clone() for n, p in acc.unwrap_model(model).named_parameters()
+                if p.grad is not None}
+
+    # accelerate's comm hook (fp16 compression) on FusedReducer, against DDP with the same hook;
+    # trigger_sync_in_backward after two forwards under no_sync, against DDP.
+    for wrapper, cls in (("ddp", accelerate.Accelerator), ("fused", Accelerator)):
+        acc = cls(cpu=True, kwargs_handlers=handler(comm_hook=DDPCommunicationHookType.FP16))
+        model = acc.prepare(tiny_model("gpt2", dropout=0.0))
+        if wrapper == "fused":
+            out["fused_hook"] = model._comm_hook[1] is default_hooks.fp16_compress_hook
+        acc.backward(model(**batch(1)).loss)
+        out[f"{wrapper}_hook_grads"] = grads(acc, model)
+        model.zero_grad(set_to_none=True)
+        with acc.no_sync(model):
+            loss_a = model(**batch(2)).loss
+            loss_b = model(**batch(3)).loss
+        acc.backward(loss_a)
+        with acc.trigger_sync_in_backward(model):
+            acc.backward(loss_b)
+        out[f"{wrapper}_trigger_grads"] = grads(acc, model)
+        out[f"{wrapper}_unwrapped"] = type(acc.unwrap_model(model)).__name__
+        out[f"{wrapper}_state_keys"] = sorted(acc.get_state_dict(model))
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("trainer", "accelerate"))
+    parser.add_argument("mode", choices=("trainer", "accelerate", "checks"))
     parser.add_argument("outdir")
     parser.add_argument("name")
     parser.add_argument("--model", default="gpt2", choices=("gpt2", "bert"))
-    parser.add_argument("--wrapper", default="fused", choices=("ddp", "fused"))
+    parser.add_argument("--wrapper", default="fused", choices=("ddp", "fused", "sharded"))
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--max-norm", type=float, default=0.5)
     args = parser.parse_args()
+    faulthandler.dump_traceback_later(LIFE_S, exit=True)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    result = (run_trainer if args.mode == "trainer" else run_accelerate)(args, rank)
+    run = {"trainer": run_trainer, "accelerate": run_accelerate, "checks": run_checks}[args.mode]
+    result = run(args, rank)
     torch.save(result, os.path.join(args.outdir, f"{args.name}_rank{rank}.pt"))
 
 
