@@ -2,7 +2,7 @@
 CUDA/NCCL) extension.
 
     pip install --no-build-isolation .      # fast path: uses the torch already installed
-    pip install --no-build-isolation ".[bench]"   # extras: bench, lightning, test
+    pip install --no-build-isolation ".[bench]"   # extras: bench, hf, lightning, test
 
 The torch version compiled against is written to python/fused_reducer/_build_torch.py (checked
 at import).
@@ -132,6 +132,9 @@ setup(
     extras_require={
         "lightning": ["pytorch-lightning"],
         "bench": ["torchvision==0.29.1", "transformers"],  # torchvision 0.29.x pairs with torch 2.14
-        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy", "matplotlib", "pytorch-lightning"],
+        # fused_reducer.accelerate / fused_reducer.transformers; tested with these versions.
+        "hf": ["accelerate>=1.16", "transformers>=5.25"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy", "matplotlib", "pytorch-lightning",
+                 "accelerate", "transformers"],
     },
 )

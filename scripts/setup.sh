@@ -16,12 +16,12 @@ if ! $PY -c "import pybind11, ninja, pytest, hypothesis, numpy, matplotlib, setu
   echo "setup: installing build and test tools"
   $PY -m pip install -q pybind11 ninja pytest hypothesis numpy matplotlib setuptools wheel
 fi
-# The optional extras the tests and benchmarks use (setup.py: test, lightning, bench); torch==2.14.1
+# The optional extras the tests and benchmarks use (setup.py: test, lightning, bench, hf); torch==2.14.1
 # in the same command so that no dependency can swap torch (torchvision 0.29.1 pairs with it).
 if ! $PY -c "import importlib.metadata as m, sys
-sys.exit(m.version('torchvision') != '0.29.1' or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning', 'transformers'])))" 2>/dev/null; then
-  echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers"
-  $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 transformers
+sys.exit(m.version('torchvision') != '0.29.1' or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning', 'transformers', 'accelerate'])))" 2>/dev/null; then
+  echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers, accelerate"
+  $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 transformers accelerate
 fi
 
 # Rebuild only when a source file changed (the build takes a few minutes).

@@ -136,8 +136,8 @@ class Accelerator(accelerate.Accelerator):
         except (TypeError, ValueError, RuntimeError) as e:
             raise type(e)(
                 f"fused_reducer.accelerate.Accelerator.prepare: FusedReducer(model, "
-                f"{_call(arguments)}) (from DistributedDataParallelKwargs {_call(from_ddp)} and "
-                f"fused_reducer_kwargs {_call(self.fused_reducer_kwargs)}) refused: {e}") from e
+                f"**{arguments}) (DistributedDataParallelKwargs gave {from_ddp}, "
+                f"fused_reducer_kwargs {self.fused_reducer_kwargs}) refused: {e}") from e
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(reducer)  # comm_hook / comm_wrapper, as for DDP
         reducer._is_accelerate_prepared = True
@@ -186,6 +186,3 @@ class Accelerator(accelerate.Accelerator):
             return optimizer
         return None
 
-
-def _call(arguments):
-    return ", ".join(f"{k}={v!r}" for k, v in arguments.items())
