@@ -223,3 +223,15 @@ def test_accelerate_ddp_kwargs_comm_hook_and_trigger_sync_on_fused_reducer(runs)
         assert not any(k.startswith("module.") for k in out["fused_state_keys"])
     assert_same_parameters(checks[0]["fused_trigger_grads"], checks[1]["fused_trigger_grads"],
                            "rank 0 vs rank 1")
+
+
+@pytest.mark.timeout(300)
+def test_the_hugging_face_example_runs_on_fused_reducer(tmp_path):
+    require_torchrun()
+    example = os.path.join(os.path.dirname(HERE), "examples", "hf_example.py")
+    proc = subprocess.run([sys.executable, example], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=worker_environment(),
+                          cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "Trainer: model_wrapped is FusedReducer (shm)" in proc.stdout
+    assert "accelerate: the prepared model is FusedReducer" in proc.stdout
