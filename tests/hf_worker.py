@@ -15,6 +15,7 @@ a ShardedOptimizer, whose norm accelerator.clip_grad_norm_ must take over all sh
 """
 import argparse
 import faulthandler
+import json
 import os
 
 import torch
@@ -76,7 +77,8 @@ def run_trainer(args, rank):
         gradient_accumulation_steps=ACCUMULATE, max_grad_norm=0.5, learning_rate=3e-3,
         max_steps=STEPS, logging_steps=1, eval_strategy="steps", eval_steps=SAVE_EVERY,
         save_strategy="steps", save_steps=SAVE_EVERY, seed=7, report_to=[],
-        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=0.1)
+        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=0.1,
+        **json.loads(args.training_args))
     trainer = trainer_class(model=tiny_model(args.model), args=training,
                             train_dataset=dataset(args.model, 64, 1),
                             eval_dataset=dataset(args.model, 16, 2), **extra)
@@ -221,6 +223,7 @@ def main():
     parser.add_argument("--wrapper", default="fused", choices=("ddp", "fused", "sharded"))
     parser.add_argument("--resume", default=None)
     parser.add_argument("--max-norm", type=float, default=0.5)
+    parser.add_argument("--training-args", default="{}", help="more TrainingArguments (JSON)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(LIFE_S, exit=True)
     torch.set_num_threads(1)

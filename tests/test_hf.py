@@ -90,14 +90,15 @@ def logged(run):
     return [{k: v for k, v in entry.items() if k in LOGGED} for entry in run["log"]]
 
 
-def check_trainer_pair(fused, ddp, trainer_name):
+def check_trainer_pair(fused, ddp, trainer_name, find_unused_parameters=True):
     for rank in range(2):
         assert fused[rank]["wrapped"] == "FusedReducer"  # trainer.model_wrapped
         assert fused[rank]["trainer"] == trainer_name
         assert fused[rank]["accelerator"] == "fused_reducer.accelerate"
         assert ddp[rank]["wrapped"] == "DistributedDataParallel"
-        # The Trainer's default for a PreTrainedModel, passed on as for DDP.
-        assert fused[rank]["find_unused_parameters"] is True
+        # The Trainer's default for a PreTrainedModel (False with gradient checkpointing),
+        # passed on as to DDP.
+        assert fused[rank]["find_unused_parameters"] is find_unused_parameters
         assert_same_parameters(fused[rank]["params"], ddp[rank]["params"], f"rank {rank}")
         assert logged(fused[rank]) == logged(ddp[rank])
         # save_model wrote a plain transformers checkpoint (no `module.` keys) of these weights.
@@ -133,9 +134,13 @@ def test_trainer_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(
 
 @pytest.mark.timeout(300)
 def test_with_fused_reducer_trains_a_trainer_subclass_bert_equal_to_ddp(runs):
-    ddp = runs.get("trainer_bert_ddp", "trainer", "--model", "bert", "--wrapper", "ddp")
-    fused = runs.get("trainer_bert_fused", "trainer", "--model", "bert", "--wrapper", "fused")
-    check_trainer_pair(fused, ddp, "FusedReducerLoggingTrainer")
+    # With gradient checkpointing: the Trainer's other DDP set-up (find_unused_parameters=False).
+    checkpointing = ("--training-args", '{"gradient_checkpointing": true}')
+    ddp = runs.get("trainer_bert_ddp", "trainer", "--model", "bert", "--wrapper", "ddp",
+                   *checkpointing)
+    fused = runs.get("trainer_bert_fused", "trainer", "--model", "bert", "--wrapper", "fused",
+                     *checkpointing)
+    check_trainer_pair(fused, ddp, "FusedReducerLoggingTrainer", find_unused_parameters=False)
     # The subclass's own compute_loss ran, on the FusedReducer (as the plain one's on DDP).
     assert fused[0]["model_types"] == ["BertForSequenceClassification", "FusedReducer"]
     assert ddp[0]["model_types"] == ["BertForSequenceClassification", "DistributedDataParallel"]

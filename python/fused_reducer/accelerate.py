@@ -28,6 +28,7 @@ What this class changes in accelerate, and why (checked against accelerate 1.16)
   gradients exist only as shards, so the norm is the optimizer's (over all shards, collective).
 """
 import inspect
+import weakref
 from contextlib import contextmanager
 
 import accelerate
@@ -92,7 +93,7 @@ class Accelerator(accelerate.Accelerator):
     accelerate would wrap them in DDP. ``fused_reducer_kwargs``: FusedReducer's constructor
     arguments (``first_bucket_mb``, ``bucket_cap_mb``, ``backend``, ``autotune``, ...); they win
     over the same names in a ``DistributedDataParallelKwargs`` handler. Every other argument is
-    accelerate's. ``accelerator.reducers``: the FusedReducers prepared so far."""
+    accelerate's."""
 
     def __init__(self, *args, fused_reducer_kwargs=None, **kwargs):
         self.fused_reducer_kwargs = check_reducer_kwargs(fused_reducer_kwargs,
@@ -101,7 +102,9 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         if not hasattr(self, "ddp_handler"):
             raise _version_error("the Accelerator.ddp_handler attribute")
-        self.reducers = []
+        # The FusedReducers prepared here, not kept alive by it (a Trainer that re-creates its
+        # accelerator, auto_find_batch_size, drops the old model and its hooks with it).
+        self._reducers = weakref.WeakSet()
         self._refuse_non_ddp_setups()
 
     def _refuse_non_ddp_setups(self):
@@ -141,7 +144,7 @@ class Accelerator(accelerate.Accelerator):
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(reducer)  # comm_hook / comm_wrapper, as for DDP
         reducer._is_accelerate_prepared = True
-        self.reducers.append(reducer)
+        self._reducers.add(reducer)
         return reducer
 
     def unwrap_model(self, model, keep_fp32_wrapper=True, keep_torch_compile=True):
@@ -170,7 +173,7 @@ class Accelerator(accelerate.Accelerator):
     def _sharded_optimizer_of(self, parameters):
         """The ShardedOptimizer of the prepared model that `parameters` belong to, or None."""
         given = {id(p) for p in parameters if p.requires_grad}
-        for reducer in self.reducers:
+        for reducer in list(self._reducers):
             optimizer = reducer._live_sharded_optimizer()
             if optimizer is None:
                 continue
