@@ -25,7 +25,8 @@ def tiny_gpt2():
 
 def data(n=128):
     g = torch.Generator().manual_seed(1)
-    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (n, 32), generator=g)]
+    rows = torch.randint(0, 128, (n, 32), generator=g)
+    return [{"input_ids": ids, "labels": ids} for ids in rows]
 
 
 def with_trainer(outdir):
@@ -71,7 +72,8 @@ def main():
             # DDP): one more small all-reduce per step, of the map of parameters used.
             print(f"Trainer: model_wrapped is {type(reducer).__name__} ({stats['transport']}), "
                   f"buckets {reducer.bucket_sizes()}, all-reduces in the last step "
-                  f"{stats['allreduces']} (find_unused_parameters={reducer.find_unused_parameters})")
+                  f"{stats['allreduces']} "
+                  f"(find_unused_parameters={reducer.find_unused_parameters})")
     reducer = with_accelerate()
     if rank0:
         print(f"accelerate: the prepared model is {type(reducer).__name__}, "

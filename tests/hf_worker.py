@@ -167,13 +167,15 @@ def run_checks(args, rank):
         return [DistributedDataParallelKwargs(**kwargs)]
 
     def batch(seed):
-        return {k: v.unsqueeze(0).repeat(2, 1) for k, v in dataset("gpt2", 1, 10 * seed + rank)[0].items()}
+        row = dataset("gpt2", 1, 10 * seed + rank)[0]
+        return {k: v.unsqueeze(0).repeat(2, 1) for k, v in row.items()}
 
     out = {}
     # DistributedDataParallelKwargs become FusedReducer's arguments; fused_reducer_kwargs win.
     given = dict(bucket_cap_mb=10, find_unused_parameters=True, gradient_as_bucket_view=True,
                  broadcast_buffers=False)
-    for name, ours in (("from_ddp", {}), ("ours_win", {"bucket_cap_mb": 20, "backend": "process_group"})):
+    ours_win = {"bucket_cap_mb": 20, "backend": "process_group"}
+    for name, ours in (("from_ddp", {}), ("ours_win", ours_win)):
         model = Accelerator(cpu=True, kwargs_handlers=handler(**given),
                             fused_reducer_kwargs=ours).prepare(tiny_model("gpt2"))
         out[name] = {"bucket_cap_bytes": model.bucket_cap_bytes, "backend": model.backend,
@@ -183,7 +185,8 @@ def run_checks(args, rank):
         model.close()
     # A DDP argument FusedReducer refuses raises at prepare(), naming it.
     try:
-        Accelerator(cpu=True, kwargs_handlers=handler(static_graph=True)).prepare(tiny_model("gpt2"))
+        refusing = Accelerator(cpu=True, kwargs_handlers=handler(static_graph=True))
+        refusing.prepare(tiny_model("gpt2"))
         out["static_graph"] = "accepted"
     except fused_reducer.FusedReducerError as e:
         out["static_graph"] = str(e)
@@ -231,6 +234,8 @@ def main():
     run = {"trainer": run_trainer, "accelerate": run_accelerate, "checks": run_checks}[args.mode]
     result = run(args, rank)
     torch.save(result, os.path.join(args.outdir, f"{args.name}_rank{rank}.pt"))
+    torch.distributed.barrier()  # both results written before either rank ends its group
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def independent_counts(rank, world_size, backend):
 
 def printed_counts(output):
     """The lists after 'all-reduces per step' in the demo's output, and its transport line."""
-    lists = [ast.literal_eval(m) for m in re.findall(r"all-reduces per step (\[[0-9, ]*\])", output)]
+    found = re.findall(r"all-reduces per step (\[[0-9, ]*\])", output)
+    lists = [ast.literal_eval(m) for m in found]
     transport = re.search(r"FusedReducer transport: (\w+)", output)
     assert len(lists) == 3 and transport, f"unexpected demo output:\n{output}"
     return {"ddp": lists[0], "changed": lists[1], "rebuilt": lists[2],

@@ -148,7 +148,8 @@ def test_with_fused_reducer_trains_a_trainer_subclass_bert_equal_to_ddp(runs):
 
 def check_accelerate_pair(ours, ddp, wrapped, norm_rtol=0.0):
     for rank in range(2):
-        assert ours[rank]["wrapped"] == wrapped and ddp[rank]["wrapped"] == "DistributedDataParallel"
+        assert ours[rank]["wrapped"] == wrapped
+        assert ddp[rank]["wrapped"] == "DistributedDataParallel"
         assert ours[rank]["distributed_type"] == "DistributedType.MULTI_CPU"
         assert ours[rank]["unwrapped"] == "GPT2LMHeadModel"  # accelerator.unwrap_model
         # get_state_dict: the unwrapped model's keys, bit-identical to DDP's run.

@@ -71,7 +71,8 @@ def test_a_trainer_that_builds_its_accelerator_another_way_fails_naming_both_ver
         return (f"transformers {transformers.__version__} does not do (tested with "
                 f"transformers {TESTED_TRANSFORMERS})") in message
 
-    monkeypatch.setattr(transformers.trainer, "Accelerator", type("Other", (accelerate.Accelerator,), {}))
+    other = type("Other", (accelerate.Accelerator,), {})
+    monkeypatch.setattr(transformers.trainer, "Accelerator", other)
     with pytest.raises(RuntimeError) as raised:
         FusedReducerTrainer(model=tiny_gpt2(), args=training_args(tmp_path))
     assert expected(str(raised.value)), raised.value

@@ -1,7 +1,7 @@
 """Hugging Face accelerate on FusedReducer: accelerate's ``Accelerator``, with the model wrapped in
 ``FusedReducer`` wherever accelerate would wrap it in ``DistributedDataParallel``.
 
-    from fused_reducer.accelerate import Accelerator          # instead of: from accelerate import Accelerator
+    from fused_reducer.accelerate import Accelerator  # was: from accelerate import Accelerator
     accelerator = Accelerator(fused_reducer_kwargs={"first_bucket_mb": 16})
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
@@ -19,9 +19,9 @@ What this class changes in accelerate, and why (checked against accelerate 1.16)
 - ``prepare_model``: accelerate's own, with ``evaluation_mode=True`` (device placement, autocast,
   torch.compile; no DDP), then ``FusedReducer`` around the result and accelerate's comm hook
   registration (``DistributedDataParallelKwargs.register_comm_hook``).
-- ``unwrap_model`` (and so ``get_state_dict``, ``save_model`` and transformers' Trainer): accelerate's
-  ``extract_model_from_parallel`` unwraps DDP, DataParallel, DeepSpeed and FSDP only; the
-  FusedReducer is peeled first, so saved weights carry no ``module.`` prefix.
+- ``unwrap_model`` (and so ``get_state_dict``, ``save_model`` and transformers' Trainer):
+  accelerate's ``extract_model_from_parallel`` unwraps DDP, DataParallel, DeepSpeed and FSDP
+  only; the FusedReducer is peeled first, so saved weights carry no ``module.`` prefix.
 - ``trigger_sync_in_backward``: accelerate's checks ``isinstance(model, DistributedDataParallel)``;
   for a FusedReducer it arms the next backward (``FusedReducer.prepare_for_backward``).
 - ``clip_grad_norm_``: for the parameters of a model whose optimizer is a ShardedOptimizer the
@@ -32,7 +32,6 @@ import weakref
 from contextlib import contextmanager
 
 import accelerate
-import torch
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 from .reducer import FusedReducer
@@ -167,7 +166,7 @@ class Accelerator(accelerate.Accelerator):
         sharded = self._sharded_optimizer_of(parameters)
         if sharded is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        self.unscale_gradients()
+        # No unscaling to do: a ShardedOptimizer refuses fp16's GradScaler (use bf16 autocast).
         return sharded.clip_grad_norm_(max_norm, norm_type)
 
     def _sharded_optimizer_of(self, parameters):

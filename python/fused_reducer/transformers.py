@@ -15,10 +15,11 @@ training. Gradient accumulation (``no_sync``), ``max_grad_norm``, evaluation, ch
 ``train(resume_from_checkpoint=...)``, ``save_model`` (a plain transformers checkpoint) work as
 with DDP; see fused_reducer/accelerate.py for what the accelerator changes.
 
-Hook point (not public API, checked at construction): ``Trainer.create_accelerator_and_postprocess``
-builds the accelerator as ``Accelerator(**args)`` from the name ``transformers.trainer.Accelerator``;
-while the Trainer runs it, that name is FusedReducer's Accelerator (restored right after; do not
-construct two Trainers concurrently in two threads). Where a transformers version builds it some
+Hook point (not public API, checked at construction):
+``Trainer.create_accelerator_and_postprocess`` builds the accelerator as ``Accelerator(**args)``
+from the name ``transformers.trainer.Accelerator``; while the Trainer runs it, that name is
+FusedReducer's Accelerator (restored right after; do not construct two Trainers concurrently in
+two threads). Where a transformers version builds it some
 other way, construction raises naming both versions.
 
 ``ShardedOptimizer`` is refused through the Trainer's optimizer arguments (see
