@@ -183,6 +183,10 @@ def run_checks(args, rank):
                      "gradient_as_bucket_view": model.gradient_as_bucket_view,
                      "forward_sync_buffers": model.forward_sync_buffers}
         model.close()
+    # A model the user wrapped already is kept as it is, not wrapped twice.
+    mine = fused_reducer.FusedReducer(tiny_model("gpt2"), first_bucket_mb=2)
+    out["kept_users_reducer"] = Accelerator(cpu=True).prepare(mine) is mine
+    mine.close()
     # A DDP argument FusedReducer refuses raises at prepare(), naming it.
     try:
         refusing = Accelerator(cpu=True, kwargs_handlers=handler(static_graph=True))

@@ -217,6 +217,7 @@ def test_accelerate_ddp_kwargs_comm_hook_and_trigger_sync_on_fused_reducer(runs)
                                    "gradient_as_bucket_view": True, "forward_sync_buffers": False}
         assert out["ours_win"] == dict(out["from_ddp"], bucket_cap_bytes=20 << 20,
                                        backend="process_group")
+        assert out["kept_users_reducer"] is True
         assert "static_graph=True is not supported" in out["static_graph"]
         assert "DistributedDataParallelKwargs" in out["static_graph"]
         # accelerate's comm_hook=FP16 registered on FusedReducer, reducing as on DDP.

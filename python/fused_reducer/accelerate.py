@@ -131,6 +131,9 @@ class Accelerator(accelerate.Accelerator):
             return super().prepare_model(model, device_placement, evaluation_mode)
         # accelerate's preparation without its DDP: placement, autocast, torch.compile.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if isinstance(model, FusedReducer):  # wrapped by the user: kept, not wrapped twice
+            self._reducers.add(model)
+            return model
         from_ddp = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         arguments = {**from_ddp, **self.fused_reducer_kwargs}
         try:
