@@ -71,14 +71,20 @@ def run_trainer(args, rank):
         trainer_class, extra = FusedReducerTrainer, {"fused_reducer_kwargs": {"first_bucket_mb": 1}}
     else:
         trainer_class, extra = with_fused_reducer(LoggingTrainer), {}
-    training = transformers.TrainingArguments(
+    settings = dict(
         output_dir=os.path.join(args.outdir, f"{args.name}_checkpoints"), use_cpu=True,
         ddp_backend="gloo", per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATE, max_grad_norm=0.5, learning_rate=3e-3,
         max_steps=STEPS, logging_steps=1, eval_strategy="steps", eval_steps=SAVE_EVERY,
         save_strategy="steps", save_steps=SAVE_EVERY, seed=7, report_to=[],
-        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=0.1,
-        **json.loads(args.training_args))
+        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=0.1)
+    training = transformers.TrainingArguments(**{**settings, **json.loads(args.training_args)})
+    if args.optimizer == "adamw":
+        extra["optimizer_cls_and_kwargs"] = (torch.optim.AdamW, {"lr": 3e-3})
+    elif args.optimizer == "sharded":
+        import fused_reducer
+        extra["optimizer_cls_and_kwargs"] = (fused_reducer.ShardedOptimizer,
+                                             {"optimizer_class": torch.optim.AdamW, "lr": 3e-3})
     trainer = trainer_class(model=tiny_model(args.model), args=training,
                             train_dataset=dataset(args.model, 64, 1),
                             eval_dataset=dataset(args.model, 16, 2), **extra)
@@ -96,6 +102,7 @@ def run_trainer(args, rank):
         "accelerator": type(trainer.accelerator).__module__,
         "model_types": sorted(getattr(trainer, "model_types", ())),
         "find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
+        "optimizer": type(trainer.optimizer.optimizer).__name__,
     }
 
 
@@ -231,6 +238,9 @@ def main():
     parser.add_argument("--resume", default=None)
     parser.add_argument("--max-norm", type=float, default=0.5)
     parser.add_argument("--training-args", default="{}", help="more TrainingArguments (JSON)")
+    parser.add_argument("--optimizer", default="trainer", choices=("trainer", "adamw", "sharded"),
+                        help="trainer: the Trainer's own (args.optim); adamw / sharded: "
+                             "optimizer_cls_and_kwargs with torch.optim.AdamW / ShardedOptimizer")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(LIFE_S, exit=True)
     torch.set_num_threads(1)

@@ -44,11 +44,14 @@ def test_unknown_fused_reducer_kwargs_are_refused_naming_them():
         FusedReducerTrainer(model=tiny_gpt2(), fused_reducer_kwargs={"bogus": 1})
 
 
-def test_a_sharded_optimizer_through_the_trainer_is_refused_naming_why(tmp_path):
-    sharded = (fused_reducer.ShardedOptimizer, {"optimizer_class": torch.optim.AdamW})
-    with pytest.raises(TypeError, match=r"state_dict\(\) is collective.*fused_reducer\.accelerate"):
+def test_a_sharded_optimizer_through_the_trainer_needs_optimizer_class_not_a_ready_one(tmp_path):
+    with pytest.raises(TypeError, match=r"needs kwargs\['optimizer_class'\]"):
         FusedReducerTrainer(model=tiny_gpt2(), args=training_args(tmp_path),
-                            optimizer_cls_and_kwargs=sharded)
+                            optimizer_cls_and_kwargs=(fused_reducer.ShardedOptimizer, {"lr": 1.0}))
+    ready_made = fused_reducer.ShardedOptimizer.__new__(fused_reducer.ShardedOptimizer)
+    with pytest.raises(TypeError, match=r"ready-made ShardedOptimizer.*optimizer_cls_and_kwargs"):
+        FusedReducerTrainer(model=tiny_gpt2(), args=training_args(tmp_path),
+                            optimizers=(ready_made, None))
 
 
 def test_with_fused_reducer_subclasses_any_trainer_subclass(tmp_path):

@@ -35,6 +35,7 @@ import accelerate
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 from .reducer import FusedReducer
+from .sharded import ShardedOptimizer
 
 TESTED_ACCELERATE = "1.16.0"
 
@@ -104,6 +105,7 @@ class Accelerator(accelerate.Accelerator):
         # The FusedReducers prepared here, not kept alive by it (a Trainer that re-creates its
         # accelerator, auto_find_batch_size, drops the old model and its hooks with it).
         self._reducers = weakref.WeakSet()
+        self._to_shard = {}  # id(plain optimizer) -> ShardedOptimizer kwargs: shard_when_prepared
         self._refuse_non_ddp_setups()
 
     def _refuse_non_ddp_setups(self):
@@ -148,6 +150,35 @@ class Accelerator(accelerate.Accelerator):
         reducer._is_accelerate_prepared = True
         self._reducers.add(reducer)
         return reducer
+
+    def shard_when_prepared(self, optimizer, **sharded_kwargs):
+        """Have ``prepare()`` replace `optimizer` (a fresh torch optimizer over a model prepared
+        before it, or earlier in the same call) by ``ShardedOptimizer(model, type(optimizer),
+        its param groups, **sharded_kwargs)``: the way to a ShardedOptimizer for code that
+        builds its optimizer before the model is wrapped (transformers' Trainer)."""
+        if optimizer.state:
+            raise ValueError("shard_when_prepared: the optimizer has state already (it has "
+                             "stepped); shard a fresh one, or load its state_dict() into the "
+                             "ShardedOptimizer afterwards (the plain format)")
+        self._to_shard[id(optimizer)] = sharded_kwargs
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        sharded_kwargs = self._to_shard.pop(id(optimizer), None)
+        if sharded_kwargs is not None:
+            optimizer = ShardedOptimizer(self._reducer_of(optimizer), type(optimizer),
+                                         params=[dict(g) for g in optimizer.param_groups],
+                                         **sharded_kwargs)
+        return super().prepare_optimizer(optimizer, device_placement)
+
+    def _reducer_of(self, optimizer):
+        params = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        for reducer in list(self._reducers):
+            if params <= {id(p) for p in reducer._reducer_params()}:
+                return reducer
+        raise ValueError(
+            "fused_reducer.accelerate.Accelerator.prepare: a ShardedOptimizer needs its model's "
+            "FusedReducer, and no model prepared so far holds all of this optimizer's "
+            "parameters; prepare the model first (or before the optimizer in the same call)")
 
     def unwrap_model(self, model, keep_fp32_wrapper=True, keep_torch_compile=True):
         if isinstance(model, FusedReducer):

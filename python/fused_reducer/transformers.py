@@ -22,13 +22,22 @@ FusedReducer's Accelerator (restored right after; do not construct two Trainers 
 two threads). Where a transformers version builds it some
 other way, construction raises naming both versions.
 
-``ShardedOptimizer`` is refused through the Trainer's optimizer arguments (see
-``_refuse_sharded_optimizer``): use it from a custom loop with fused_reducer.accelerate.
+A ``ShardedOptimizer`` comes through the Trainer's ``optimizer_cls_and_kwargs``:
+``(fused_reducer.ShardedOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": ...,
+"master_dtype": ...})``. The Trainer builds its optimizer (of optimizer_class, over its parameter
+groups) before the model is wrapped; accelerate's prepare() replaces it by the ShardedOptimizer
+on the FusedReducer (Accelerator.shard_when_prepared). Checkpoints save the plain optimizer's
+format: the Trainer calls ``optimizer.state_dict()`` on the main process only, a
+ShardedOptimizer's is collective, so ``_save_optimizer_and_scheduler`` (not public API, checked
+at construction) computes it on every rank first. A ready-made ShardedOptimizer in
+``optimizers=`` is refused (it would need the FusedReducer before there is one).
 """
 import functools
+import inspect
 from contextlib import contextmanager
 
 import accelerate
+import accelerate.optimizer
 import transformers
 import transformers.trainer
 
@@ -37,7 +46,7 @@ from .sharded import ShardedOptimizer
 
 TESTED_TRANSFORMERS = "5.25.0"
 
-__all__ = ["FusedReducerTrainer", "TESTED_TRANSFORMERS", "with_fused_reducer"]
+__all__ = ["FusedReducerTrainer", "SHARDED_ARGUMENTS", "TESTED_TRANSFORMERS", "with_fused_reducer"]
 
 
 def _version_error(what):
@@ -62,20 +71,41 @@ def _trainer_builds(factory):
         transformers.trainer.Accelerator = original
 
 
-def _refuse_sharded_optimizer(trainer_name, optimizers, optimizer_cls_and_kwargs):
-    optimizer = optimizers[0] if optimizers else None
-    cls = optimizer_cls_and_kwargs[0] if optimizer_cls_and_kwargs else None
-    if isinstance(optimizer, ShardedOptimizer) or (isinstance(cls, type)
-                                                   and issubclass(cls, ShardedOptimizer)):
+# ShardedOptimizer's own arguments (the rest of optimizer_cls_and_kwargs goes to optimizer_class).
+SHARDED_ARGUMENTS = tuple(name for name, p in inspect.signature(ShardedOptimizer.__init__)
+                          .parameters.items()
+                          if name not in ("self", "model", "optimizer_class", "params")
+                          and p.kind == p.POSITIONAL_OR_KEYWORD)
+
+
+def _sharded_request(trainer_name, optimizers, optimizer_cls_and_kwargs):
+    """(optimizer_class, its kwargs, ShardedOptimizer's kwargs) when the Trainer is asked for a
+    ShardedOptimizer through optimizer_cls_and_kwargs, else None; refuses a ShardedOptimizer
+    passed ready-made through optimizers=."""
+    if optimizers and isinstance(optimizers[0], ShardedOptimizer):
         raise TypeError(
-            f"{trainer_name}: a ShardedOptimizer cannot be the Trainer's optimizer: the Trainer "
-            "builds its optimizer before accelerate wraps the model (a ShardedOptimizer needs the "
-            "FusedReducer), and saves optimizer.state_dict() on the main process only, while a "
-            "ShardedOptimizer's state_dict() is collective (each rank holds a shard). Use a "
-            "plain torch optimizer with the Trainer (args.optim, optimizers=, "
-            "optimizer_cls_and_kwargs=), or a ShardedOptimizer in a custom loop with "
-            "fused_reducer.accelerate.Accelerator (prepare the model, then "
-            "ShardedOptimizer(model, torch.optim.AdamW, ...), then prepare the optimizer).")
+            f"{trainer_name}: a ready-made ShardedOptimizer cannot be the Trainer's optimizer: "
+            "it needs the FusedReducer, which accelerate builds when training starts. Pass "
+            "optimizer_cls_and_kwargs=(fused_reducer.ShardedOptimizer, {'optimizer_class': "
+            "torch.optim.AdamW, 'lr': ...}) instead: the Trainer then builds it on the "
+            "FusedReducer")
+    cls, kwargs = optimizer_cls_and_kwargs or (None, None)
+    if not (isinstance(cls, type) and issubclass(cls, ShardedOptimizer)):
+        return None
+    kwargs = dict(kwargs)
+    optimizer_class = kwargs.pop("optimizer_class", None)
+    if optimizer_class is None:
+        raise TypeError(f"{trainer_name}: optimizer_cls_and_kwargs=(ShardedOptimizer, kwargs) "
+                        "needs kwargs['optimizer_class'] (e.g. torch.optim.AdamW), the torch "
+                        "optimizer each rank runs on its shard")
+    sharded = {name: kwargs.pop(name) for name in SHARDED_ARGUMENTS if name in kwargs}
+    return optimizer_class, kwargs, sharded
+
+
+def _inner_optimizer(optimizer):
+    while isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def with_fused_reducer(trainer_class):
@@ -96,12 +126,44 @@ def with_fused_reducer(trainer_class):
         def __init__(self, *args, fused_reducer_kwargs=None, **kwargs):
             name = type(self).__name__
             self.fused_reducer_kwargs = check_reducer_kwargs(fused_reducer_kwargs, name)
-            _refuse_sharded_optimizer(name, kwargs.get("optimizers"),
-                                      kwargs.get("optimizer_cls_and_kwargs"))
+            _sharded_request(name, kwargs.get("optimizers"),
+                             kwargs.get("optimizer_cls_and_kwargs"))  # refusals before the work
             super().__init__(*args, **kwargs)
             # Also when given positionally (or set by a subclass's __init__).
-            _refuse_sharded_optimizer(name, (self.optimizer,),
-                                      getattr(self, "optimizer_cls_and_kwargs", None))
+            self._sharded_request = _sharded_request(
+                name, (self.optimizer,), getattr(self, "optimizer_cls_and_kwargs", None))
+            if self._sharded_request is not None and not callable(
+                    getattr(super(), "_save_optimizer_and_scheduler", None)):
+                raise _version_error("Trainer._save_optimizer_and_scheduler(output_dir)")
+
+        def create_optimizer(self, model=None):
+            """With a ShardedOptimizer requested: the Trainer's own optimizer (its parameter
+            groups, weight decay split included) of optimizer_class, which accelerate's
+            prepare() then turns into a ShardedOptimizer on the FusedReducer."""
+            if self.optimizer is not None or self._sharded_request is None:
+                return super().create_optimizer(model)
+            optimizer_class, kwargs, sharded = self._sharded_request
+            requested = self.optimizer_cls_and_kwargs
+            self.optimizer_cls_and_kwargs = (optimizer_class, kwargs)
+            try:
+                optimizer = super().create_optimizer(model)
+            finally:
+                self.optimizer_cls_and_kwargs = requested
+            self.accelerator.shard_when_prepared(optimizer, **sharded)
+            return optimizer
+
+        def _save_optimizer_and_scheduler(self, output_dir):
+            # The Trainer calls optimizer.state_dict() on the main process only; a
+            # ShardedOptimizer's is collective, so every rank computes it first.
+            sharded = _inner_optimizer(self.optimizer)
+            if not isinstance(sharded, ShardedOptimizer):
+                return super()._save_optimizer_and_scheduler(output_dir)
+            state = sharded.state_dict()
+            sharded.state_dict = lambda: state
+            try:
+                return super()._save_optimizer_and_scheduler(output_dir)
+            finally:
+                del sharded.state_dict
 
         def create_accelerator_and_postprocess(self):
             factory = functools.partial(Accelerator,
