@@ -130,9 +130,9 @@ def with_fused_reducer(trainer_class):
                              kwargs.get("optimizer_cls_and_kwargs"))  # refusals before the work
             super().__init__(*args, **kwargs)
             # Also when given positionally (or set by a subclass's __init__).
-            self._sharded_request = _sharded_request(
+            self._sharding = _sharded_request(
                 name, (self.optimizer,), getattr(self, "optimizer_cls_and_kwargs", None))
-            if self._sharded_request is not None and not callable(
+            if self._sharding is not None and not callable(
                     getattr(super(), "_save_optimizer_and_scheduler", None)):
                 raise _version_error("Trainer._save_optimizer_and_scheduler(output_dir)")
 
@@ -140,9 +140,9 @@ def with_fused_reducer(trainer_class):
             """With a ShardedOptimizer requested: the Trainer's own optimizer (its parameter
             groups, weight decay split included) of optimizer_class, which accelerate's
             prepare() then turns into a ShardedOptimizer on the FusedReducer."""
-            if self.optimizer is not None or self._sharded_request is None:
+            if self.optimizer is not None or self._sharding is None:
                 return super().create_optimizer(model)
-            optimizer_class, kwargs, sharded = self._sharded_request
+            optimizer_class, kwargs, sharded = self._sharding
             requested = self.optimizer_cls_and_kwargs
             self.optimizer_cls_and_kwargs = (optimizer_class, kwargs)
             try:
