@@ -286,7 +286,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Release the communicator (in-flight work gets until the deadline, then abort).");
   py::class_<fused_reducer::ProcessGroupTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::ProcessGroupTransport>>(m, "ProcessGroupTransport")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"));
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
+      .def("set_peer_processes", &fused_reducer::ProcessGroupTransport::set_peer_processes,
+           py::arg("rank_pids"),
+           "(rank, pid) of the peers on this host, named in errors once their process exited.");
   py::class_<fused_reducer::ShmTransport, fused_reducer::Transport,
              std::shared_ptr<fused_reducer::ShmTransport>>(m, "ShmTransport")
       .def(py::init([](const std::string& name, bool create, int rank, int world_size,
@@ -301,6 +304,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Remove the segment's name once every rank has mapped it.")
       .def("start_peer_checks", &fused_reducer::ShmTransport::start_peer_checks,
            "Once every rank has mapped the segment: watch the peers' processes while waiting.");
+
+  m.def("settle_released_works",
+        [](double deadline_seconds) {
+          return fused_reducer::settle_released_works(
+              fused_reducer::shm::timeout_from_seconds(deadline_seconds));
+        },
+        py::arg("deadline_seconds"), py::call_guard<py::gil_scoped_release>(),
+        "Drop the process-group works the reducer released while their backend still held them, "
+        "waiting up to deadline_seconds; returns how many the backend still holds (never "
+        "released). See Note [Releasing process-group work].");
 
   // Fused copy, exposed for the kernel tests and the copy benchmark.
   m.def("scaled_copy",

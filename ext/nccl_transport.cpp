@@ -6,6 +6,8 @@
 
 #include <sstream>
 
+#include <unistd.h>
+
 #include "cuda_check.h"
 
 namespace fused_reducer {
@@ -80,7 +82,8 @@ int nccl_version() { return cuda::nccl_version(); }
 
 NcclTransport::NcclTransport(const std::string& unique_id, int rank, int world_size, int device,
                              std::chrono::milliseconds timeout)
-    : device_(device),
+    : owner_pid_(getpid()),
+      device_(device),
       timeout_(timeout),
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)) {
   c10::cuda::CUDAGuard guard(device_);
@@ -100,6 +103,13 @@ void NcclTransport::check() {
 
 void NcclTransport::close(std::chrono::milliseconds deadline) {
   if (!watchdog_) {
+    return;
+  }
+  if (getpid() != owner_pid_) {
+    // A forked child has no watchdog thread to join and must not touch the parent's
+    // communicator: both are abandoned, never destroyed (Note [Process life]).
+    (void)new std::shared_ptr<cuda::Watchdog>(std::move(watchdog_));
+    (void)new std::shared_ptr<cuda::NcclComm>(std::move(comm_));
     return;
   }
   watchdog_->drain(deadline);

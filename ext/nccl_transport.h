@@ -5,6 +5,7 @@
 #ifdef FUSED_REDUCER_WITH_CUDA
 
 #include <c10/cuda/CUDAStream.h>
+#include <sys/types.h>
 
 #include <chrono>
 #include <functional>
@@ -93,6 +94,7 @@ class NcclTransport : public Transport {
 
   std::shared_ptr<cuda::NcclComm> comm_;
   std::shared_ptr<cuda::Watchdog> watchdog_;
+  pid_t owner_pid_;  // a forked child abandons both above: see Note [Process life]
   int device_;
   std::chrono::milliseconds timeout_;
   c10::cuda::CUDAStream stream_;

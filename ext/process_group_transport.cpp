@@ -1,11 +1,72 @@
 #include "process_group_transport.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <fstream>
+#include <thread>
+
 namespace fused_reducer {
+
+namespace {
+
+// See Note [Releasing process-group work]. On the heap and never destroyed.
+std::mutex& parked_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>>& parked_works() {
+  static auto* parked = new std::vector<c10::intrusive_ptr<c10d::Work>>();
+  return *parked;
+}
+
+// Drops the parked works that are ours alone (under parked_mutex()); returns how many remain.
+size_t drop_settled_locked() {
+  auto& parked = parked_works();
+  parked.erase(std::remove_if(parked.begin(), parked.end(),
+                              [](const c10::intrusive_ptr<c10d::Work>& w) {
+                                return w.use_count() == 1;
+                              }),
+               parked.end());
+  return parked.size();
+}
+
+}  // namespace
+
+void release_work(c10::intrusive_ptr<c10d::Work> work) {
+  std::lock_guard<std::mutex> lock(parked_mutex());
+  if (work && work.use_count() > 1) {
+    parked_works().push_back(std::move(work));
+  }
+  drop_settled_locked();
+  // `work`, if still ours, is dropped here, on this thread (never the backend's).
+}
+
+size_t settle_released_works(std::chrono::milliseconds deadline) {
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(parked_mutex());
+      const size_t held = drop_settled_locked();
+      if (held == 0 || std::chrono::steady_clock::now() >= until) {
+        return held;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 bool stream_ordered_wait(c10::DeviceType device, const std::string& backend) {
   // Other backends on CUDA tensors (gloo) block the host in wait(); so may unknown ones: they
   // keep wait(timeout), which is correct, if slower.
   return device == c10::DeviceType::CUDA && backend == "nccl";
+}
+
+WorkDeadlines::~WorkDeadlines() {
+  for (auto& watched : watched_) release_work(std::move(watched.work));
 }
 
 void WorkDeadlines::watch(c10::intrusive_ptr<c10d::Work> work, std::string what,
@@ -21,6 +82,7 @@ void WorkDeadlines::check() {
     if (it->work->isCompleted()) {  // non-blocking (an event query on NCCL)
       const auto error = it->work->exception();
       const std::string what = it->what;
+      release_work(std::move(it->work));
       it = watched_.erase(it);
       if (error) {
         try {
@@ -45,14 +107,68 @@ void WorkDeadlines::check() {
   }
 }
 
+void PeerProcesses::set(std::vector<std::pair<int64_t, int64_t>> rank_pids) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rank_pids_ = std::move(rank_pids);
+}
+
+namespace {
+
+// Exited or exiting: no such process, a zombie, or dead ('X').
+bool process_gone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() &&
+         (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+}
+
+}  // namespace
+
+std::string PeerProcesses::gone(std::chrono::milliseconds patience) const {
+  std::vector<std::pair<int64_t, int64_t>> peers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peers = rank_pids_;
+  }
+  if (peers.empty()) return "";
+  const auto until = std::chrono::steady_clock::now() + patience;
+  while (true) {
+    std::string named;
+    for (const auto& [rank, pid] : peers) {
+      if (process_gone(static_cast<pid_t>(pid))) {
+        named += "; rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                 ", this host) has exited";
+      }
+    }
+    if (!named.empty() || std::chrono::steady_clock::now() >= until) return named;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, bool stream_ordered,
-                         std::string what, std::shared_ptr<WorkDeadlines> deadlines)
-    : work_(std::move(work)),
+                         std::string what, std::shared_ptr<WorkDeadlines> deadlines,
+                         std::shared_ptr<const PeerProcesses> peers)
+    : peers_(std::move(peers)),
+      work_(std::move(work)),
       stream_ordered_(stream_ordered),
       what_(std::move(what)),
       deadlines_(std::move(deadlines)) {}
 
 void PendingWork::wait(std::chrono::milliseconds timeout) {
+  try {
+    wait_for_work(timeout);
+  } catch (const std::exception& e) {
+    // See Note [Naming a dead peer over a process group].
+    const std::string gone = peers_ ? peers_->gone(std::chrono::milliseconds(2000)) : "";
+    if (gone.empty()) throw;
+    throw std::runtime_error(std::string(e.what()) + gone);
+  }
+}
+
+void PendingWork::wait_for_work(std::chrono::milliseconds timeout) {
   if (!stream_ordered_) {
     // The host blocks here anyway (gloo): let the backend bound it.
     if (!work_->wait(timeout)) {
@@ -98,7 +214,7 @@ std::unique_ptr<PendingCollective> ProcessGroupTransport::pending(
   const bool stream_ordered =
       stream_ordered_wait(device, group_->getBackend(device)->getBackendName());
   return std::make_unique<PendingWork>(std::move(work), stream_ordered, what + " over " + name(),
-                                       deadlines_);
+                                       deadlines_, peers_);
 }
 
 at::Tensor ProcessGroupTransport::shardable(const at::Tensor& flat, const char* op) const {

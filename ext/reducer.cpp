@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "bucket_copy.h"
+#include "process_group_transport.h"
 
 namespace fused_reducer {
 namespace {
@@ -914,9 +915,12 @@ void Reducer::rebuild_from_rank0() {
   std::vector<at::Tensor> tensors{message.to(control_device_)};
   c10d::BroadcastOptions broadcast;
   broadcast.rootRank = 0;
+  auto work = group_->broadcast(tensors, broadcast);
   try {
-    group_->broadcast(tensors, broadcast)->wait(options_.timeout);
+    work->wait(options_.timeout);
+    release_work(std::move(work));  // See Note [Releasing process-group work]
   } catch (const std::exception& e) {
+    release_work(std::move(work));
     TORCH_CHECK(false, "FusedReducer: broadcasting the rebuilt bucket layout from rank 0 failed: ",
                 e.what(), ". A peer rank may have died.");
   }

@@ -4,6 +4,44 @@
 // interface only; transports differ in how a bucket moves, nothing else.
 // ProcessGroupTransport works with any c10d backend (gloo on CPU); the NCCL
 // transport calls NCCL directly on the reducer's own streams.
+//
+// Note [Process life]
+// What the extension creates that must end, and how it ends on every path a process takes.
+// Resources: (1) the shared-memory transport's worker thread, one per transport; (2) its segment,
+// a /dev/shm name and one mapping per rank; (3) the NCCL transport's communicator and (4) its
+// watchdog thread; (5) the pinned host buffer of the used map on CUDA (a torch tensor);
+// (6) process-group works (torch's threads run them); (7) the gradient hooks on the parameters'
+// accumulators. Paths:
+//  - close() (also what garbage collection of the model does, and what the exit handler does):
+//    (7) removed, the collectives already launched waited for, bounded by the timeout (at most
+//    10 s); then (1) finishes the buckets already queued until that deadline (its waits give up
+//    after it), is joined, and the segment's stop word is set (peers fail at once, naming this
+//    rank); (4) is drained and joined, then (3) destroyed, or aborted at the deadline or on an
+//    error; (5) is freed with the reducer; (6) goes through Note [Releasing process-group work].
+//    Idempotent; a second caller waits for the first. No transport needs the process group to
+//    close, so destroy_process_group() before or after close() changes nothing.
+//  - interpreter exit (atexit, after or without destroy_process_group()): fused_reducer's exit
+//    handler closes every model still open, then waits (at most 2 s) for the process group's
+//    threads to let go of the reducer's works; all before Python finalises. Later teardown finds
+//    only closed transports. Nothing of ours has a static destructor that joins or frees a
+//    thread's state (the parked works are leaked by design), so static destruction is inert.
+//  - the segment's name: removed by rank 0 as soon as every rank has mapped it or given up, so
+//    no path, SIGKILL included, leaves it in /dev/shm once construction returned; a rank 0
+//    killed during construction leaves it, and the next run's sweep_dead_segments removes it.
+//    The mapping ends with the process (munmap in the owner; MADV_DONTFORK keeps children out).
+//  - a forked child (a DataLoader worker): (1) and (4) do not exist there and the parent's
+//    locks may be held, so every entry point checks the pid; the child abandons (1), (3) and
+//    (4) without touching them (destroying a joinable std::thread aborts), never maps (2), and
+//    its collectives raise. See Note [Shared-memory transport in a forked child].
+//  - an exception raised in training (a bad batch, a KeyboardInterrupt in backward): it
+//    propagates to the user; the collectives already launched stay with the reducer and are
+//    waited for (bounded) by close(), usually the exit handler's. The peers, waiting for this
+//    rank's buckets, raise when it closes or exits: shm through the stop word or its pid
+//    (Note [Shared-memory all-reduce]), a process group when its connection closes, naming the
+//    rank (Note [Naming a dead peer over a process group]).
+//  - SIGTERM (torchrun stopping a job) or SIGKILL: no handler of ours; the process ends at once
+//    and no destructor runs. The kernel unmaps (2) and closes sockets; peers raise as above.
+// scripts/lifecycle_stress.py runs these endings many times (docs/TESTING.md, "Process life").
 #pragma once
 
 #include <ATen/ATen.h>

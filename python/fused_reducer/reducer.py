@@ -713,14 +713,23 @@ def _debug_enabled():
 _live_reducers = weakref.WeakSet()
 
 
+# Seconds the exit handler waits for the backend threads to let go of the reducer's collectives.
+EXIT_SETTLE_S = 2.0
+
+
 @atexit.register
 def _close_live_reducers():
-    """At interpreter exit, release every communicator still open (bounded: see close())."""
+    """At interpreter exit, before Python finalises: release every communicator still open
+    (bounded: see close()), then wait for the process group's threads to let go of the
+    collectives the reducer launched, so that none of them is destroyed on such a thread while
+    Python shuts down (an abort at exit; Note [Releasing process-group work], Note [Process
+    life] in ext/transport.h)."""
     for model in list(_live_reducers):
         try:
             model.close()
         except Exception:  # noqa: BLE001 - exit must go on
             pass
+    _C.settle_released_works(EXIT_SETTLE_S)
 
 
 def _comm_hook_launcher(model):

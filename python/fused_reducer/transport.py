@@ -94,7 +94,7 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
                                "backend='process_group' (or 'auto', which falls back to it)")
         backend = "process_group"
     if backend == "process_group":
-        return _C.ProcessGroupTransport(group)
+        return process_group_transport(group, timeout_s)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if check_devices:
@@ -105,6 +105,20 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
                                device=staging)
     return _C.NcclTransport(box[0], rank, world, device.index, timeout_s)
+
+
+def process_group_transport(group, timeout_s):
+    """A transport over `group` itself. Collective (over the store): the ranks of this host tell
+    each other their pids, so that an error names a peer whose process has exited (gloo names
+    only its address; Note [Naming a dead peer over a process group])."""
+    transport = _C.ProcessGroupTransport(group)
+    if dist.get_world_size(group) > 1:
+        rank, mine = dist.get_rank(group), f"{socket.gethostname()}\t{os.getpid()}"
+        peers = [text.split("\t") for text in exchange(group, "pg-peers", mine, timeout_s)]
+        host = socket.gethostname()
+        transport.set_peer_processes([(r, int(pid)) for r, (h, pid) in enumerate(peers)
+                                      if h == host and r != rank])
+    return transport
 
 
 def backend_of(transport):

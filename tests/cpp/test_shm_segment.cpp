@@ -492,16 +492,122 @@ static void test_dead_and_reused_peers() {
   expect(!segment->peers_watchable(), "a peer in another pid namespace is not watched");
 }
 
+
+// Issue 29: the endings of a process, at the segment level (ThreadSanitizer and AddressSanitizer
+// run this too). Every order ends in an error on the surviving ranks, promptly, never a hang.
+static shm::BucketIo exiting_after(std::vector<float>& data, int64_t chunks_before_exit) {
+  auto io = bucket_of(data, 1);
+  auto copy_in = io.copy_in;
+  auto copied = std::make_shared<int64_t>(0);
+  io.copy_in = [copy_in, copied, chunks_before_exit](char* slot, int64_t first, int64_t count) {
+    if ((*copied)++ == chunks_before_exit) _exit(0);  // a rank that ends mid-bucket
+    copy_in(slot, first, count);
+  };
+  return io;
+}
+
+// A rank process exits (no destructor, as after SIGTERM or sys.exit in backward) before or
+// between the chunks of a bucket the other rank is reducing: the survivor names it.
+static void test_rank_exits_mid_bucket() {
+  for (int64_t exit_at : {0, 1, 3}) {
+    const std::string name = unique_name("exits");
+    auto segment = shm::Segment::create(name, 2, kChunk);
+    segment->register_rank(0);
+    const pid_t child = fork();
+    if (child == 0) {
+      auto mine = shm::Segment::attach(name, 2, kChunk);
+      mine->register_rank(1);
+      auto data = rank_input<float>(1, 5 * 1024);
+      uint64_t chunks = 0;
+      shm::WaitLimits limits;
+      limits.check_peers = true;
+      shm::reduce(*mine, 1, exiting_after(data, exit_at), chunks, limits);
+      _exit(3);  // never reached
+    }
+    while (segment->header().ranks[1].pid.load() == 0) std::this_thread::sleep_for(
+        std::chrono::milliseconds(1));
+    segment->unlink();
+    expect(segment->peers_watchable(), "exits mid-bucket: peers watchable");
+    auto data = rank_input<float>(0, 5 * 1024);
+    uint64_t chunks = 0;
+    shm::WaitLimits limits;
+    limits.timeout = std::chrono::seconds(30);
+    limits.check_peers = true;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error =
+        error_of([&] { shm::reduce(*segment, 0, bucket_of(data, 1), chunks, limits); });
+    expect(contains(error, "rank 1 (pid " + std::to_string(child) + ") exited"),
+           "exit after " + std::to_string(exit_at) + " chunks: " + error);
+    expect(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+           "a rank exiting mid-bucket is noticed promptly");
+    int status = -1;
+    waitpid(child, &status, 0);
+    expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the exiting rank exited 0");
+  }
+}
+
+// Threads as ranks on their own mappings: after some buckets one rank stops (close() at the end
+// of its training, or after an exception) while the others still reduce, then unmaps its
+// segment before they have noticed; a closing rank with a bucket in flight gives up at its
+// deadline. The others fail naming it, nobody hangs, and nothing is touched after unmapping.
+static void test_stop_orders(int world) {
+  for (int stop_after : {0, 1, 7}) {
+    const std::string name = unique_name("stops");
+    auto creator = shm::Segment::create(name, world, kChunk);
+    std::vector<std::unique_ptr<shm::Segment>> segments;
+    for (int r = 0; r < world; ++r) {
+      segments.push_back(r == 0 ? std::move(creator) : shm::Segment::attach(name, world, kChunk));
+    }
+    segments[0]->unlink();
+    std::atomic<int64_t> abort_after{INT64_MAX};
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> threads;
+    const int stopper = world - 1;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        shm::WaitLimits limits;
+        limits.timeout = std::chrono::seconds(30);
+        if (r == 0) limits.abort_after_ns = &abort_after;  // rank 0 is closing meanwhile
+        uint64_t chunks = 0;
+        errors[r] = error_of([&] {
+          for (int bucket = 0; bucket < 20; ++bucket) {
+            if (r == stopper && bucket == stop_after) {
+              segments[r]->stop(r);
+              segments[r].reset();  // unmapped while the peers may still be waiting on it
+              return;
+            }
+            auto data = rank_input<float>(r, 3 * 1024 + bucket);
+            shm::reduce(*segments[r], r, bucket_of(data, 1), chunks, limits);
+          }
+        });
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    abort_after = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch() +
+                      std::chrono::seconds(20)).count();
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < world; ++r) {
+      if (r == stopper) continue;
+      expect(contains(errors[r], "rank " + std::to_string(stopper) + " stopped reducing"),
+             "stop after " + std::to_string(stop_after) + ", world " + std::to_string(world) +
+                 ", rank " + std::to_string(r) + ": " + errors[r]);
+    }
+  }
+}
+
 int main() {
   test_layout_and_timeouts();
   test_integer_sums_wrap();
   test_attach_checks();
   test_dead_and_reused_peers();  // forks: before any thread of this process exists
+  test_rank_exits_mid_bucket();  // forks too
   for (int world : {2, 3, 4, 8}) test_processes(world);
   for (int world : {1, 2, 3, 4, 8}) test_threads_one_mapping(world);
   test_threads_own_mappings(3);
   test_header_rewritten_after_attach();
   test_waits_end();
+  for (int world : {2, 3, 4}) test_stop_orders(world);
   for (int world : {1, 2, 3, 4}) test_sharded_threads(world);
   using C = shm::Collective;
   for (int world : {2, 3}) {
