@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <mutex>
 #include <thread>
 
 #include "bucket_copy.h"
@@ -185,11 +186,66 @@ int check_used_map_exchange() {
   return failures;
 }
 
+// Note [Releasing process-group work]: a work the backend's thread still holds is parked, not
+// released, and is destroyed on the releasing side once it is ours alone; one the backend
+// never lets go of is never destroyed by us.
+class CountedWork : public c10d::Work {
+ public:
+  explicit CountedWork(std::thread::id* destroyed_on) : destroyed_on_(destroyed_on) {}
+  ~CountedWork() override { *destroyed_on_ = std::this_thread::get_id(); }
+
+ private:
+  std::thread::id* destroyed_on_;
+};
+
+int check_work_release() {
+  int failures = 0;
+  auto fail = [&](const std::string& what) {
+    std::cerr << "FAILED: " << what << "\n";
+    ++failures;
+  };
+  // Works parked by the checks before (their fakes held by the test), left as they are.
+  const size_t base = fused_reducer::settle_released_works(milliseconds(0));
+  std::thread::id destroyed_on;
+  {  // ours alone: destroyed at once, here
+    fused_reducer::release_work(c10::make_intrusive<CountedWork>(&destroyed_on));
+    if (destroyed_on != std::this_thread::get_id()) fail("a work that is ours alone is dropped");
+  }
+  destroyed_on = std::thread::id();
+  auto work = c10::make_intrusive<CountedWork>(&destroyed_on);
+  c10::intrusive_ptr<c10d::Work> backend_ref = work;  // the backend thread's reference
+  std::mutex handoff;
+  std::unique_lock<std::mutex> held(handoff);
+  std::thread backend([&] {
+    std::lock_guard<std::mutex> wait_for_release(handoff);
+    backend_ref.reset();  // the backend lets go after the reducer released it
+  });
+  fused_reducer::release_work(std::move(work));
+  if (destroyed_on != std::thread::id()) fail("a work the backend holds was destroyed");
+  if (fused_reducer::settle_released_works(milliseconds(0)) != base + 1) fail("it is parked");
+  held.unlock();
+  backend.join();
+  if (destroyed_on != std::thread::id()) fail("the backend's release destroyed it on its thread");
+  if (fused_reducer::settle_released_works(milliseconds(100)) != base) fail("settled once ours alone");
+  if (destroyed_on != std::this_thread::get_id()) fail("destroyed on the settling thread");
+  // Never let go of by the backend: never destroyed (settle gives up at its deadline).
+  destroyed_on = std::thread::id();
+  auto stuck = c10::make_intrusive<CountedWork>(&destroyed_on);
+  static auto* forever = new c10::intrusive_ptr<c10d::Work>(stuck);  // leaked, like the backend's
+  fused_reducer::release_work(std::move(stuck));
+  const auto start = std::chrono::steady_clock::now();
+  if (fused_reducer::settle_released_works(milliseconds(50)) != base + 1) fail("a stuck work stays");
+  if (std::chrono::steady_clock::now() - start > std::chrono::seconds(5)) fail("settle bounded");
+  if (destroyed_on != std::thread::id() || !forever->defined()) fail("a stuck work is kept");
+  return failures;
+}
+
 }  // namespace
 
 int main() {
   int failures = check_process_group_waits();
   failures += check_used_map_exchange();
+  failures += check_work_release();
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
     auto a = at::randn({7, 3}).to(dtype);
     auto b = at::randn({5}).to(dtype);

@@ -1,0 +1,93 @@
+"""Issue 29: process endings, run by the lifecycle stress harness (scripts/lifecycle_stress.py).
+
+CI's bounded subset: one run of every ending on both CPU transports (about 2 minutes on 2 cores;
+the harness stops starting runs after LIFECYCLE_BUDGET_S). The many-run target (>= 300 runs, 0
+bad) is the same script with --rounds (docs/TESTING.md, "Process life"). The verdict itself is
+checked on recorded outcomes, so the harness cannot pass a run that aborted, hung, left a segment
+or whose peer did not name the failed rank.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
+sys.path.insert(0, SCRIPTS)
+import lifecycle_stress as stress  # noqa: E402
+
+LIFECYCLE_BUDGET_S = 150
+
+
+def write_run(tmp_path, logs, records):
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+    for rank, record in records.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
+    return str(tmp_path)
+
+
+def test_verdict_flags_an_abort_a_hang_a_silent_peer_and_a_leftover_segment(tmp_path):
+    trained = {0: {"pid": 1, "trained": True}, 1: {"pid": 2, "trained": True}}
+    (tmp_path / "good").mkdir()
+    good = write_run(tmp_path / "good", {"rank0.log": "rank 0: trained\n"}, trained)
+    assert stress.verdict("plain-exit", 2, good, {"rank 0": 0, "rank 1": 0}, [], 30) == []
+
+    (tmp_path / "abort").mkdir()
+    aborted = write_run(tmp_path / "abort", {
+        "rank1.log": "terminate called without an active exception\nFatal Python error: Aborted"},
+        trained)
+    problems = stress.verdict("plain-exit", 2, aborted,
+                              {"rank 0": 0, "rank 1": -signal.SIGABRT}, [], 30)
+    assert any("terminate called" in p for p in problems)
+    assert any("rank 1 exited -6" in p for p in problems)
+
+    assert stress.verdict("no-destroy", 2, good, {"rank 0": 0, "rank 1": -9}, ["rank 1"], 30)
+
+    (tmp_path / "silent").mkdir()
+    victim = {0: {"pid": 1, "raised": "RuntimeError: Connection closed by peer [127.0.0.1]:5",
+                  "raised_after_s": 1.0}, 1: {"pid": 2}}
+    silent = write_run(tmp_path / "silent", {}, victim)
+    problems = stress.verdict("raise-mid-step", 2, silent, {"rank 0": 1, "rank 1": 1}, [], 30)
+    assert any("without naming rank [1]" in p for p in problems)
+    victim[0]["raised"] = "RuntimeError: ... rank 1 stopped reducing"
+    named = write_run(tmp_path / "silent", {}, victim)
+    assert stress.verdict("raise-mid-step", 2, named, {"rank 0": 1, "rank 1": 1}, [], 30) == []
+    victim[0]["raised_after_s"] = 60.0
+    late = write_run(tmp_path / "silent", {}, victim)
+    assert any("only after" in p for p in
+               stress.verdict("raise-mid-step", 2, late, {"rank 0": 1, "rank 1": 1}, [], 30))
+
+    (tmp_path / "segment").mkdir()
+    pid = os.getpid()
+    path = f"/dev/shm/fused_reducer_{stress.pid_namespace()}_{pid}_0123456789ab"
+    open(path, "w").close()
+    try:
+        left = write_run(tmp_path / "segment", {}, {0: {"pid": pid, "trained": True},
+                                                    1: {"pid": 2, "trained": True}})
+        problems = stress.verdict("close", 2, left, {"rank 0": 0, "rank 1": 0}, [], 30)
+        assert any("leftover segment" in p for p in problems)
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.timeout(LIFECYCLE_BUDGET_S + 200)
+def test_every_ending_on_both_transports_ends_cleanly():
+    """One run of each ending (plain exit, no destroy_process_group, close, gc, two torchrun
+    agents as two nodes, a rank raising mid-step, sys.exit with buckets in flight, SIGTERM
+    mid-backward, KeyboardInterrupt on one and on every rank, a ShardedOptimizer with
+    all-gathers in flight) on shm and process_group: 0 bad runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "lifecycle_stress.py"), "--rounds", "1",
+         "--budget-s", str(LIFECYCLE_BUDGET_S)],
+        capture_output=True, text=True, env=env, timeout=LIFECYCLE_BUDGET_S + 180)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("lifecycle: ") and ", 0 bad," in summary, proc.stdout[-6000:]
+    runs = int(summary.split()[1])
+    assert runs >= 11, f"only {runs} runs fitted in the budget: {summary}"
+    assert proc.returncode == 0
