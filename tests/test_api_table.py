@@ -241,6 +241,13 @@ COVERAGE = {
     "`bucket_cap_mb=0` or negative": [
         "test_errors.py::test_invalid_mb_sizes_raise_value_or_type_error_naming_the_argument_on_every_rank",
     ],
+    "a process ending right after a collective (gloo)": [
+        "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
+        "test_lifecycle.py::test_verdict_flags_an_abort_a_hang_a_silent_peer_and_a_leftover_segment",
+    ],
+    "a peer process dead over gloo": [
+        "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
+    ],
     # "Same as DDP:" (one entry per clause)
     "buckets per (dtype, device)": [
         "test_equivalence_ddp.py::test_mixed_dtypes_get_separate_buckets_and_match_ddp",
