@@ -15,13 +15,21 @@ namespace {
 constexpr int kThreads = kCopyThreads;
 
 // Everything one launch needs, passed by value as kernel parameters (no extra
-// host-to-device copy of the segment table). ~19 KiB: needs CUDA >= 12.1, sm_70+.
+// host-to-device copy of the segment table). ~22 KiB: needs CUDA >= 12.1, sm_70+.
 struct LaunchArgs {
   int num_segments;
   double scale;
+  CopyStatsDevice stats;
   int64_t starts[kMaxSegmentsPerLaunch + 1];  // prefix sums of numel: segment s owns [starts[s], starts[s+1])
   const void* src[kMaxSegmentsPerLaunch];
   void* dst[kMaxSegmentsPerLaunch];
+  int32_t param[kMaxSegmentsPerLaunch];  // CopySegment::param
+};
+
+// One thread's share of the statistics (Note [Statistics from the copy]).
+struct ThreadStats {
+  unsigned long long nonfinite = 0;  // of the current segment's sources
+  float sum_sq = 0, sum_abs = 0, max_abs = 0;  // of the destinations
 };
 
 // Arithmetic type of the scaling: float for 16/32-bit types (as torch's
@@ -79,9 +87,24 @@ struct alignas(16) Pack {
   T v[N];
 };
 
+template <typename S, typename D>
+__device__ __forceinline__ D observed(S x, Math<S, D> scale, bool count, bool norms,
+                                     ThreadStats& stats) {
+  const D out = scaled<S, D>(x, scale);
+  if (count && !isfinite(widen(x))) stats.nonfinite += 1;
+  if (norms) {
+    const float a = fabsf(static_cast<float>(widen(out)));
+    stats.sum_sq += a * a;
+    stats.sum_abs += a;
+    stats.max_abs = fmaxf(stats.max_abs, a);  // a NaN shows in the sums
+  }
+  return out;
+}
+
 // Block-cooperative copy of elements [begin, end) of one segment.
 template <typename S, typename D>
-__device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Math<S, D> scale) {
+__device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Math<S, D> scale,
+                           bool count, bool norms, ThreadStats& stats) {
   constexpr int V = kVec<S, D>;
   using SrcPack = Pack<S, V>;
   using DstPack = Pack<D, V>;
@@ -98,7 +121,7 @@ __device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Mat
   const D zero = Narrow<D>::from(0.0f);
 
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
-    d[i] = s ? scaled<S, D>(s[i], scale) : zero;
+    d[i] = s ? observed<S, D>(s[i], scale, count, norms, stats) : zero;
   }
   const SrcPack* sv = s ? reinterpret_cast<const SrcPack*>(s + head) : nullptr;
   DstPack* dv = reinterpret_cast<DstPack*>(d + head);
@@ -107,7 +130,7 @@ __device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Mat
     if (sv) {
       const SrcPack in = sv[i];
 #pragma unroll
-      for (int k = 0; k < V; ++k) out.v[k] = scaled<S, D>(in.v[k], scale);
+      for (int k = 0; k < V; ++k) out.v[k] = observed<S, D>(in.v[k], scale, count, norms, stats);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) out.v[k] = zero;
@@ -115,7 +138,37 @@ __device__ void copy_range(const S* src, D* dst, int64_t begin, int64_t end, Mat
     dv[i] = out;
   }
   for (int64_t i = head + vectors * V + threadIdx.x; i < n; i += blockDim.x) {
-    d[i] = s ? scaled<S, D>(s[i], scale) : zero;
+    d[i] = s ? observed<S, D>(s[i], scale, count, norms, stats) : zero;
+  }
+}
+
+// The block's norms, one atomic each into `norms`.
+__device__ void add_block_norms(ThreadStats stats, double* norms) {
+  __shared__ float partial[3][kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    stats.sum_sq += __shfl_down_sync(0xffffffffu, stats.sum_sq, offset);
+    stats.sum_abs += __shfl_down_sync(0xffffffffu, stats.sum_abs, offset);
+    stats.max_abs = fmaxf(stats.max_abs, __shfl_down_sync(0xffffffffu, stats.max_abs, offset));
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    partial[0][warp] = stats.sum_sq;
+    partial[1][warp] = stats.sum_abs;
+    partial[2][warp] = stats.max_abs;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum_sq = 0, sum_abs = 0;
+    float max_abs = 0;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      sum_sq += partial[0][w];
+      sum_abs += partial[1][w];
+      max_abs = fmaxf(max_abs, partial[2][w]);
+    }
+    atomicAdd(norms, sum_sq);
+    atomicAdd(norms + 1, sum_abs);
+    atomicMax(reinterpret_cast<unsigned long long*>(norms + 2),
+              static_cast<unsigned long long>(__double_as_longlong(static_cast<double>(max_abs))));
   }
 }
 
@@ -134,13 +187,23 @@ __global__ void __launch_bounds__(kThreads)
     if (args.starts[mid] <= begin) lo = mid; else hi = mid - 1;
   }
   const auto scale = static_cast<Math<S, D>>(args.scale);
+  const bool count = args.stats.nonfinite != nullptr;
+  const bool norms = args.stats.norms != nullptr;
+  ThreadStats stats;
   for (int seg = lo; seg < n && args.starts[seg] < end; ++seg) {
     const int64_t first = max(begin, args.starts[seg]) - args.starts[seg];
     const int64_t last = min(end, args.starts[seg + 1]) - args.starts[seg];
     if (first < last) {
       copy_range<S, D>(static_cast<const S*>(args.src[seg]), static_cast<D*>(args.dst[seg]),
-                       first, last, scale);
+                       first, last, scale, count && args.param[seg] >= 0, norms, stats);
+      if (stats.nonfinite != 0) {  // rare: an atomic only where a NaN/Inf was seen
+        atomicAdd(args.stats.nonfinite + args.param[seg], stats.nonfinite);
+        stats.nonfinite = 0;
+      }
     }
+  }
+  if (norms) {
+    add_block_norms(stats, args.stats.norms);  // every thread of the block takes part
   }
 }
 
@@ -167,18 +230,20 @@ void launch_from(DType dst, const LaunchArgs& args, cudaStream_t stream) {
 }  // namespace
 
 int scaled_copy(const std::vector<CopySegment>& segments, DType src_dtype, DType dst_dtype,
-                double scale, cudaStream_t stream) {
+                double scale, cudaStream_t stream, CopyStatsDevice stats) {
   int launches = 0;
-  static thread_local LaunchArgs args;  // ~19 KiB: keep it off the stack
+  static thread_local LaunchArgs args;  // ~22 KiB: keep it off the stack
   for (size_t first = 0; first < segments.size(); first += kMaxSegmentsPerLaunch) {
     const size_t count = std::min<size_t>(kMaxSegmentsPerLaunch, segments.size() - first);
     args.num_segments = static_cast<int>(count);
     args.scale = scale;
+    args.stats = stats;
     args.starts[0] = 0;
     for (size_t i = 0; i < count; ++i) {
       const CopySegment& segment = segments[first + i];
       args.src[i] = segment.src;
       args.dst[i] = segment.dst;
+      args.param[i] = static_cast<int32_t>(segment.param);
       args.starts[i + 1] = args.starts[i] + segment.numel;
     }
     switch (src_dtype) {

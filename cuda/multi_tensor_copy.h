@@ -28,6 +28,17 @@ struct CopySegment {
   const void* src;
   void* dst;
   int64_t numel;
+  int64_t param = -1;  // index into CopyStatsDevice::nonfinite (-1: not counted)
+};
+
+// What the copy accumulates on the way (Note [Statistics from the copy] in
+// ext/bucket_copy.h); device pointers, null: not wanted. `nonfinite[param]` gets the
+// number of NaN/Inf source elements of each segment; `norms` (3 doubles) gets the
+// destination's sum of x^2 and of |x| added and its max |x| (as the bits of a
+// non-negative double, which order like the values) maxed, one atomic per block.
+struct CopyStatsDevice {
+  unsigned long long* nonfinite = nullptr;
+  double* norms = nullptr;
 };
 
 // Segments fitting one launch's kernel parameters (CUDA 12.1+ allows 32 KiB).
@@ -39,12 +50,12 @@ constexpr int kMaxSegmentsPerLaunch = 800;
 // std::runtime_error naming file:line and the CUDA error if a launch fails.
 // Returns the number of kernel launches.
 int scaled_copy(const std::vector<CopySegment>& segments, DType src_dtype, DType dst_dtype,
-                double scale, cudaStream_t stream);
+                double scale, cudaStream_t stream, CopyStatsDevice stats = {});
 
 // Same dtype on both sides.
 inline int scaled_copy(const std::vector<CopySegment>& segments, DType dtype, double scale,
-                       cudaStream_t stream) {
-  return scaled_copy(segments, dtype, dtype, scale, stream);
+                       cudaStream_t stream, CopyStatsDevice stats = {}) {
+  return scaled_copy(segments, dtype, dtype, scale, stream, stats);
 }
 
 }  // namespace fused_reducer::cuda

@@ -32,8 +32,18 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       bool skip_all_reduce_unused_params,
                                       double timeout_seconds,
                                       int64_t last_bucket_bytes,
-                                      std::optional<at::ScalarType> reduce_dtype) {
+                                      std::optional<at::ScalarType> reduce_dtype,
+                                      bool check_finite,
+                                      int64_t straggler_interval,
+                                      int64_t straggler_window,
+                                      double straggler_threshold_ms,
+                                      int64_t straggler_warn_steps) {
   fused_reducer::ReducerOptions options;
+  options.health.check_finite = check_finite;
+  options.health.straggler_interval = straggler_interval;
+  options.health.straggler_window = straggler_window;
+  options.health.straggler_threshold_ms = straggler_threshold_ms;
+  options.health.straggler_warn_steps = straggler_warn_steps;
   options.bucket_caps_bytes = std::move(bucket_caps_bytes);
   options.ddp_first_layout = ddp_first_layout;
   options.last_bucket_bytes = last_bucket_bytes;
@@ -127,6 +137,21 @@ py::dict step_dict(const fused_reducer::StepTiming& step) {
   d["last_bucket_bytes"] = step.last_bucket_bytes;
   d["reduce_dtype"] = dtype_or_none(step.reduce_dtype);
   d["buckets"] = bucket_dicts(step);
+  d["lateness_ms"] = step.lateness_ms;
+  return d;
+}
+
+py::dict straggler_dict(const fused_reducer::StragglerReport& report) {
+  py::dict d;
+  d["step"] = report.step;
+  d["lateness_ms"] = report.lateness_ms;
+  d["slowest"] = report.slowest >= 0 ? py::object(py::int_(report.slowest)) : py::object(py::none());
+  d["stragglers"] = report.stragglers;
+  d["late_steps"] = report.late_steps;
+  d["threshold_ms"] = report.threshold_ms;
+  d["median_step_ms"] = report.median_step_ms;
+  d["interval"] = report.interval;
+  d["window"] = report.window;
   return d;
 }
 
@@ -189,7 +214,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
            py::arg("skip_all_reduce_unused_params"),
            py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
-           py::arg("reduce_dtype") = py::none())
+           py::arg("reduce_dtype") = py::none(), py::arg("check_finite") = false,
+           py::arg("straggler_interval") = 10, py::arg("straggler_window") = 20,
+           py::arg("straggler_threshold_ms") = 0.0, py::arg("straggler_warn_steps") = 10)
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("on_outputs_reached", &Reducer::on_outputs_reached,
@@ -252,7 +279,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("completed_steps", &Reducer::completed_steps)
       .def("bucket_sizes", &Reducer::bucket_sizes)
       .def("bucket_params", &Reducer::bucket_params)
-      .def("stats", &stats_dict);
+      .def("stats", &stats_dict)
+      .def("set_nonfinite_handler",
+           [](Reducer& reducer, py::function raise) {
+             // Called at the end of backward, on whichever thread finishes it: the Python
+             // exception it raises travels through autograd to loss.backward()'s caller.
+             std::shared_ptr<py::object> holder(new py::object(std::move(raise)),
+                                                [](py::object* p) {
+                                                  py::gil_scoped_acquire gil;
+                                                  delete p;
+                                                });
+             reducer.set_nonfinite_handler([holder](const std::string& message) {
+               py::gil_scoped_acquire gil;
+               (*holder)(message);
+             });
+           },
+           py::arg("raise_error"))
+      .def("straggler_report",
+           [](const Reducer& reducer) { return straggler_dict(reducer.straggler_report()); })
+      .def("take_straggler_warning", &Reducer::take_straggler_warning)
+      .def("shadow_health_exchange", &Reducer::shadow_health_exchange,
+           py::call_guard<py::gil_scoped_release>())
+      .def("copy_norms", &Reducer::copy_norms,
+           "float64 [sum x^2, sum |x|, max |x|] of param.grad as the last step wrote it, or "
+           "None when param.grad changed since (Note [Statistics from the copy]).");
 
   // Transports: the reducer takes one; the bandwidth benchmark drives one alone on a flat
   // buffer it owns (the same code path a bucket takes).

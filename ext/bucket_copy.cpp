@@ -4,6 +4,10 @@
 #include <ATen/ScalarOps.h>
 #include <ATen/core/grad_mode.h>
 
+#include <atomic>
+#include <cmath>
+#include <mutex>
+
 #ifdef FUSED_REDUCER_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -43,7 +47,8 @@ bool fits_fused_kernel(const CopyJob& job, at::ScalarType src_type, at::ScalarTy
 // Fused launches for the jobs that fit the kernel; the others are left in `rest`.
 // The (source, destination) dtype pair is the first job's: within a bucket every
 // job has the same pair (gradients of one dtype, one bucket dtype).
-int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<CopyJob>* rest) {
+int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, const CopyStats* stats,
+                   std::vector<CopyJob>* rest) {
   const at::Tensor& first = jobs.front().dst;
   at::ScalarType src_type = first.scalar_type();
   for (const auto& job : jobs) {
@@ -64,7 +69,7 @@ int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<C
   for (const auto& job : jobs) {
     if (fits_fused_kernel(job, src_type, first.scalar_type(), first.device())) {
       segments.push_back({job.src.defined() ? job.src.data_ptr() : nullptr, job.dst.data_ptr(),
-                          job.dst.numel()});
+                          job.dst.numel(), job.param});
     } else {
       rest->push_back(job);  // falls back per segment, not per bucket
     }
@@ -74,7 +79,19 @@ int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<C
   }
   c10::cuda::CUDAGuard guard(first.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(first.device().index());
-  return cuda::scaled_copy(segments, src_dtype, dst_dtype, scale, stream.stream());
+  cuda::CopyStatsDevice device_stats;
+  if (stats != nullptr && stats->nonfinite.defined()) {
+    TORCH_INTERNAL_ASSERT(stats->nonfinite.device() == first.device() &&
+                          stats->nonfinite.scalar_type() == at::kLong);
+    device_stats.nonfinite =
+        reinterpret_cast<unsigned long long*>(stats->nonfinite.mutable_data_ptr<int64_t>());
+  }
+  if (stats != nullptr && stats->norms.defined()) {
+    TORCH_INTERNAL_ASSERT(stats->norms.device() == first.device() &&
+                          stats->norms.scalar_type() == at::kDouble);
+    device_stats.norms = stats->norms.mutable_data_ptr<double>();
+  }
+  return cuda::scaled_copy(segments, src_dtype, dst_dtype, scale, stream.stream(), device_stats);
 }
 #endif
 
@@ -83,37 +100,124 @@ int64_t fused_copy(const std::vector<CopyJob>& jobs, double scale, std::vector<C
 // ATen op costs several times the copy (400 gradients of 16 KB: 1.6 ms per
 // step through at::mul_out, 0.5 ms here). Same arithmetic as at::mul_out: the
 // product in fp32, rounded once (to nearest even) into the slot's dtype.
-template <typename Dst>
-void scale_into(const float* src, Dst* dst, int64_t n, float scale) {
+// kCount: also returns the number of NaN/Inf sources (check_finite).
+template <bool kCount, typename Dst>
+int64_t scale_into(const float* src, Dst* dst, int64_t n, float scale) {
+  std::atomic<int64_t> nonfinite{0};
   at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    int64_t local = 0;
     for (int64_t i = begin; i < end; ++i) {
-      dst[i] = static_cast<Dst>(src[i] * scale);
+      const float x = src[i];
+      dst[i] = static_cast<Dst>(x * scale);
+      if constexpr (kCount) local += std::isfinite(x) ? 0 : 1;
     }
+    if (local != 0) nonfinite += local;
+  });
+  return nonfinite.load();
+}
+
+// The common CPU unpack: a bucket (fp32, bf16 or fp16) into an fp32 gradient of the
+// same layout, with the gradient's norms accumulated on the way (in double).
+template <typename Src>
+void copy_with_norms(const Src* src, float* dst, int64_t n, double* norms) {
+  std::mutex mutex;
+  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    double sum_sq = 0, sum_abs = 0, max_abs = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      const float x = static_cast<float>(src[i]);
+      dst[i] = x;
+      const double a = std::fabs(static_cast<double>(x));
+      sum_sq += a * a;
+      sum_abs += a;
+      max_abs = a > max_abs ? a : max_abs;  // a NaN shows in the sums
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    norms[0] += sum_sq;
+    norms[1] += sum_abs;
+    norms[2] = std::max(norms[2], max_abs);
   });
 }
 
-bool cpu_scaled_copy(const CopyJob& job, double scale) {
+// Both sides on the CPU, one dense block in the same element order.
+bool same_cpu_layout(const at::Tensor& src, const at::Tensor& dst) {
+  return src.defined() && src.is_cpu() && dst.is_cpu() && src.sizes() == dst.sizes() &&
+         src.strides() == dst.strides() && src.is_non_overlapping_and_dense();
+}
+
+// The CPU loops above, where they fit the job; false: the caller uses ATen.
+bool cpu_scaled_copy(const CopyJob& job, double scale, const CopyStats* stats) {
   const at::Tensor& src = job.src;
   const at::Tensor& dst = job.dst;
-  if (!src.defined() || !src.is_cpu() || !dst.is_cpu() || src.scalar_type() != at::kFloat ||
-      src.sizes() != dst.sizes() || src.strides() != dst.strides() ||
-      !src.is_non_overlapping_and_dense()) {
-    return false;  // one dense block in the same element order on both sides, or ATen
+  if (!same_cpu_layout(src, dst) || src.is_same(dst)) {
+    return false;
+  }
+  const bool count = stats != nullptr && stats->nonfinite.defined() && job.param >= 0;
+  const bool norms = stats != nullptr && stats->norms.defined();
+  if (norms) {
+    if (scale != 1.0 || count || dst.scalar_type() != at::kFloat) return false;
+    double* out = stats->norms.mutable_data_ptr<double>();
+    float* to = dst.mutable_data_ptr<float>();
+    switch (src.scalar_type()) {
+      case at::kFloat: copy_with_norms(src.const_data_ptr<float>(), to, src.numel(), out); return true;
+      case at::kBFloat16: copy_with_norms(src.const_data_ptr<at::BFloat16>(), to, src.numel(), out); return true;
+      case at::kHalf: copy_with_norms(src.const_data_ptr<at::Half>(), to, src.numel(), out); return true;
+      default: return false;
+    }
+  }
+  if (src.scalar_type() != at::kFloat || (scale == 1.0 && !count)) {
+    return false;  // a plain copy_ is as fast
   }
   const float* in = src.const_data_ptr<float>();
   const auto n = src.numel();
   const auto factor = static_cast<float>(scale);
+  int64_t nonfinite = 0;
   switch (dst.scalar_type()) {
-    case at::kFloat: scale_into(in, dst.mutable_data_ptr<float>(), n, factor); return true;
-    case at::kBFloat16: scale_into(in, dst.mutable_data_ptr<at::BFloat16>(), n, factor); return true;
-    case at::kHalf: scale_into(in, dst.mutable_data_ptr<at::Half>(), n, factor); return true;
+    case at::kFloat:
+      nonfinite = count ? scale_into<true>(in, dst.mutable_data_ptr<float>(), n, factor)
+                        : scale_into<false>(in, dst.mutable_data_ptr<float>(), n, factor);
+      break;
+    case at::kBFloat16:
+      nonfinite = count ? scale_into<true>(in, dst.mutable_data_ptr<at::BFloat16>(), n, factor)
+                        : scale_into<false>(in, dst.mutable_data_ptr<at::BFloat16>(), n, factor);
+      break;
+    case at::kHalf:
+      nonfinite = count ? scale_into<true>(in, dst.mutable_data_ptr<at::Half>(), n, factor)
+                        : scale_into<false>(in, dst.mutable_data_ptr<at::Half>(), n, factor);
+      break;
     default: return false;
   }
+  if (nonfinite != 0) {
+    stats->nonfinite.mutable_data_ptr<int64_t>()[job.param] += nonfinite;
+  }
+  return true;
+}
+
+void observe_sources(const CopyJob& job, const CopyStats* stats) {
+  if (stats != nullptr && stats->nonfinite.defined() && job.src.defined() && job.param >= 0) {
+    stats->nonfinite.narrow(0, job.param, 1).add_(at::isfinite(job.src).logical_not().sum());
+  }
+}
+
+void observe_destination(const CopyJob& job, const CopyStats* stats) {
+  if (stats == nullptr || !stats->norms.defined() || job.dst.numel() == 0) {
+    return;
+  }
+  const at::Tensor magnitude = job.dst.to(at::kDouble).abs();
+  stats->norms.narrow(0, 0, 1).add_(magnitude.square().sum());
+  stats->norms.narrow(0, 1, 1).add_(magnitude.sum());
+  at::Tensor max_abs = stats->norms.narrow(0, 2, 1);
+  max_abs.copy_(at::fmax(max_abs, magnitude.max().reshape({1})));
 }
 
 }  // namespace
 
-int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
+void observe_with_aten(const CopyJob& job, const CopyStats& stats) {
+  at::NoGradGuard no_grad;
+  observe_sources(job, &stats);
+  observe_destination(job, &stats);
+}
+
+int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale, const CopyStats* stats) {
   if (jobs.empty()) {
     return 0;
   }
@@ -123,7 +227,7 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
   int64_t launches = 0;
   std::vector<CopyJob> rest;
 #ifdef FUSED_REDUCER_WITH_CUDA
-  launches = fused_copy(jobs, scale, &rest);
+  launches = fused_copy(jobs, scale, stats, &rest);
 #else
   rest = jobs;
 #endif
@@ -131,12 +235,14 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
   for (const auto& job : rest) {
     at::Tensor dst = job.dst;
     const at::Tensor& src = job.src;
+    if (cpu_scaled_copy(job, scale, stats)) {
+      continue;  // statistics included
+    }
+    observe_sources(job, stats);
     if (!src.defined()) {
       dst.zero_();
     } else if (scale == 1.0) {
       if (!src.is_same(dst)) dst.copy_(src);  // casts when the dtypes differ
-    } else if (cpu_scaled_copy(job, scale)) {
-      continue;
     } else if (src.scalar_type() == dst.scalar_type() ||
                at::promote_types(src.scalar_type(), dst.scalar_type()) == src.scalar_type()) {
       // Same dtype, or narrowing (fp32 -> bf16): the product is formed in the
@@ -152,6 +258,7 @@ int64_t scaled_copy(const std::vector<CopyJob>& jobs, double scale) {
       // Neither holds the other (bf16 <-> fp16): scale in fp32, round once.
       at::mul_out(dst, src.to(at::kFloat), scale_tensor);
     }
+    observe_destination(job, stats);
   }
   return launches;
 }

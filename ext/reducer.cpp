@@ -168,7 +168,8 @@ Reducer::Reducer(std::vector<at::Tensor> params,
       transport_(std::move(transport)),
       options_(options),
       rank_(group_->getRank()),
-      world_size_(group_->getSize()) {
+      world_size_(group_->getSize()),
+      health_(options_.health, rank_, world_size_) {
   TORCH_CHECK(!params_.empty(), "FusedReducer: the module has no trainable parameters");
   TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
   check_bucket_caps(options_.bucket_caps_bytes);
@@ -186,6 +187,13 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   check_bucket_view_dtypes(options_.reduce_dtype);
   locally_used_.assign(params_.size(), 0);
   copy_at_hook_ = !params_.front().is_cuda();
+  const auto device = params_.front().device();
+  if (options_.health.check_finite) {
+    nonfinite_ = at::zeros({static_cast<int64_t>(params_.size())},
+                           at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  norms_ = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device));
+  observed_.assign(params_.size(), 0);
 
   // Before any gradient was seen, expect them in reverse registration order.
   std::vector<int64_t> order(params_.size());
@@ -257,6 +265,11 @@ void Reducer::on_gradient_ready(int64_t index) {
   const double now = now_us();
   if (ready_order_.empty()) {
     step_origin_ = now;
+    // This step's statistics start here (Note [Statistics from the copy]).
+    if (nonfinite_.defined()) nonfinite_.zero_();
+    norms_.zero_();
+    norms_valid_ = false;
+    std::fill(observed_.begin(), observed_.end(), 0);
   }
   ready_[index] = 1;
   if (grad.defined()) {
@@ -276,7 +289,8 @@ void Reducer::on_gradient_ready(int64_t index) {
     // See Note [Copy at the hook].
     std::vector<CopyJob> jobs;
     add_pack_job(bucket, static_cast<size_t>(slot_of_[index]), gradient_scale(), jobs);
-    scaled_copy(jobs, gradient_scale());
+    const CopyStats stats = pack_stats();
+    scaled_copy(jobs, gradient_scale(), &stats);
     packed_[index] = 1;
   }
   if (--bucket.pending == 0) {
@@ -476,7 +490,20 @@ void Reducer::pack_bucket(Bucket& bucket) {
       add_pack_job(bucket, slot, scale, jobs);
     }
   }
-  copy_launches_this_step_ += scaled_copy(jobs, scale);
+  const CopyStats stats = pack_stats();
+  copy_launches_this_step_ += scaled_copy(jobs, scale, &stats);
+}
+
+CopyStats Reducer::pack_stats() const {
+  CopyStats stats;
+  stats.nonfinite = nonfinite_;  // undefined without check_finite
+  return stats;
+}
+
+CopyStats Reducer::unpack_stats() const {
+  CopyStats stats;
+  stats.norms = norms_;
+  return stats;
 }
 
 // Note [Gradients from several streams]
@@ -543,22 +570,26 @@ void Reducer::release_after_copies(Bucket& bucket) {
 
 // The copy that puts the gradient of the parameter in `slot` into the bucket.
 void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs) {
-  at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+  const int64_t index = bucket.params[slot];
+  at::Tensor& grad = params_[index].mutable_grad();
   const at::Tensor& view = bucket.views[slot];
   if (!grad.defined()) {
-    jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros
+    jobs.push_back({at::Tensor(), view, index});  // an unused parameter contributes zeros
   } else if (grad.is_alias_of(view)) {
-    if (scale != 1.0) {
-      if (view.is_cpu()) {
+    if (scale != 1.0 && !view.is_cpu()) {
+      jobs.push_back({view, view, index});  // scaled in place by the fused kernel (1 ulp of div_)
+    } else {
+      if (nonfinite_.defined()) {
+        observe_with_aten({view, view, index}, pack_stats());  // no copy to ride on
+      }
+      if (scale != 1.0) {
         // gradient_as_bucket_view: divide in place, DDP's arithmetic (Note [One averaging arithmetic]).
         at::NoGradGuard no_grad;
         view.div_(gradient_divisor());
-      } else {
-        jobs.push_back({view, view});  // scaled in place by the fused kernel (1 ulp of div_)
       }
     }
   } else {
-    jobs.push_back({grad, view});
+    jobs.push_back({grad, view, index});
     if (options_.gradient_as_bucket_view && grad.scalar_type() == view.scalar_type()) {
       grad = view;  // from now on autograd accumulates straight into the bucket
     }
@@ -570,12 +601,14 @@ void Reducer::add_pack_job(Bucket& bucket, size_t slot, double scale, std::vecto
 template <typename Keep>
 void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
   note_copy_stream(bucket);
+  const CopyStats stats = unpack_stats();
   std::vector<CopyJob> jobs;
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const int64_t index = bucket.params[slot];
     if (!keep(index)) {
       continue;  // no rank used it: leave its gradient untouched, like DDP
     }
+    observed_[index] = 1;
     at::Tensor& grad = params_[index].mutable_grad();
     const at::Tensor& view = bucket.views[slot];
     if (!grad.defined()) {
@@ -583,11 +616,14 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
       grad = options_.gradient_as_bucket_view
                  ? view
                  : view.to(params_[index].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      observe_with_aten({at::Tensor(), grad, index}, stats);
     } else if (!grad.is_alias_of(view)) {
-      jobs.push_back({view, grad});
+      jobs.push_back({view, grad, index});
+    } else {
+      observe_with_aten({at::Tensor(), grad, index}, stats);  // a bucket view: no copy to ride on
     }
   }
-  copy_launches_this_step_ += scaled_copy(jobs, 1.0);
+  copy_launches_this_step_ += scaled_copy(jobs, 1.0, &stats);
 }
 
 // ---------------------------------------------------------------------------
@@ -708,6 +744,7 @@ void Reducer::finalize_backward() {
   while (next_to_unpack_ < buckets_.size()) {
     finish_bucket(next_to_unpack_++, used, /*exposed=*/true);
   }
+  snapshot_gradients();
 
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   stats_.step += 1;
@@ -726,6 +763,137 @@ void Reducer::finalize_backward() {
                          std::find(skipped_.begin(), skipped_.end(), 1) != skipped_.end();
     }
   }
+  // Last: the step is complete, so the error below leaves a reducer ready for the next one.
+  const std::string nonfinite = exchange_health(/*joined=*/false);
+  if (!nonfinite.empty()) {
+    if (nonfinite_handler_) {
+      nonfinite_handler_(nonfinite);  // raises
+    }
+    TORCH_CHECK(false, nonfinite);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Training health (training_health.h)
+// ---------------------------------------------------------------------------
+
+// What copy_norms() compares param.grad with: the tensors this step left there.
+void Reducer::snapshot_gradients() {
+  norms_valid_ = !sharded_;
+  grad_snapshot_.assign(params_.size(), {nullptr, 0});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].grad();
+    if (!grad.defined()) {
+      continue;
+    }
+    if (!observed_[i]) {
+      norms_valid_ = false;  // a gradient no rank produced this step, kept as it was
+    }
+    grad_snapshot_[i] = {grad.unsafeGetTensorImpl(), grad._version()};
+  }
+}
+
+std::optional<at::Tensor> Reducer::copy_norms() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!norms_valid_) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].grad();
+    const void* impl = grad.defined() ? grad.unsafeGetTensorImpl() : nullptr;
+    if (impl != grad_snapshot_[i].first || (impl != nullptr && grad._version() != grad_snapshot_[i].second)) {
+      return std::nullopt;  // changed since: clipped, unscaled, accumulated, replaced
+    }
+  }
+  return norms_.clone();
+}
+
+// See Note [Lateness from slack]: from the last reduced bucket being ready to its
+// collective being seen complete.
+double Reducer::last_bucket_slack_ms() const {
+  if (!copy_at_hook_) {
+    // GPU buckets: the host's wait returns at once (a stream wait), so host times say
+    // nothing of the collective; not measured there yet (NaN: no sample).
+    return kNaN;
+  }
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
+      return (it->timing.complete_us - it->timing.ready_last_us) / 1000.0;
+    }
+  }
+  return kNaN;
+}
+
+// Note [Health exchange]
+// After the gradients are written, every rank all-reduces one small float64 row per rank
+// (training_health.h: its non-finite count, median slack and step time, zeros in the
+// others' entries) over the buckets' transport: every step with check_finite, every
+// straggler_interval steps otherwise (every rank counts the same steps, joined ranks
+// included, so all issue the same collectives). Only when a count is non-zero, a second
+// row names the parameters. Returns the check_finite error, the same text on every rank.
+std::string Reducer::exchange_health(bool joined) {
+  const bool due = joined ? health_.shadow_step()
+                          : health_.end_step(last_bucket_slack_ms(),
+                                             (now_us() - forward_time_) / 1000.0);
+  if (!due) {
+    return "";
+  }
+  int64_t nonfinite = 0;
+  std::vector<int64_t> counts;
+  if (nonfinite_.defined() && !joined) {
+    const at::Tensor host = nonfinite_.cpu();  // the end of backward: the one host sync
+    counts.assign(host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel());
+    for (const int64_t count : counts) nonfinite += count;
+  }
+  const at::Tensor rows = allreduce_health(health_.row(nonfinite, joined), "health exchange");
+  if (options_.health.straggler_interval > 0) {
+    health_.update_stragglers(rows, stats_.step);
+    if (!history_.empty() && !joined) {
+      history_.back().lateness_ms = health_.report().lateness_ms;
+    }
+  }
+  if (TrainingHealth::total_nonfinite(rows) == 0) {
+    return "";
+  }
+  if (counts.empty()) counts.assign(params_.size(), 0);
+  const at::Tensor detail = allreduce_health(health_.detail_row(counts, ready_order_),
+                                             "non-finite gradient report");
+  return health_.nonfinite_message(rows, detail, names_, stats_.step);
+}
+
+at::Tensor Reducer::allreduce_health(const at::Tensor& row, const char* what) {
+  at::Tensor exchanged = row.to(params_.front().device());
+  auto pending = transport_->allreduce_sum(exchanged);
+  stats_.allreduces += 1;  // a collective of the step that just completed, counted with it
+  stats_.allreduce_bytes += exchanged.numel() * exchanged.element_size();
+  try {
+    pending->wait(options_.timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "FusedReducer: the ", what, " (check_finite / straggler report) over ",
+                transport_->name(), " failed: ", e.what(), ". A peer rank may have died; check "
+                "the other ranks' logs.");
+  }
+  return exchanged.cpu();
+}
+
+void Reducer::set_nonfinite_handler(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  nonfinite_handler_ = std::move(handler);
+}
+
+StragglerReport Reducer::straggler_report() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return health_.report();
+}
+
+std::string Reducer::take_straggler_warning() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return health_.take_warning();
+}
+
+void Reducer::shadow_health_exchange() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  exchange_health(/*joined=*/true);
 }
 
 // Turns this iteration's absolute times into a StepTiming relative to the

@@ -29,6 +29,7 @@
 
 #include "bucket_assignment.h"
 #include "bucket_copy.h"
+#include "training_health.h"
 #include "transport.h"
 #include "used_map.h"
 
@@ -53,6 +54,8 @@ struct ReducerOptions {
   // dtype of the buckets of floating-point gradients; nullopt: each gradient's
   // own dtype. See Note [Reduce dtype].
   std::optional<at::ScalarType> reduce_dtype;
+  // check_finite and the straggler report: see training_health.h.
+  HealthOptions health;
 };
 
 // Throws c10::ValueError naming `dtype` and the accepted ones unless it is
@@ -109,6 +112,7 @@ struct StepTiming {
   int64_t last_bucket_bytes = 0;
   std::optional<at::ScalarType> reduce_dtype;
   std::vector<BucketTiming> buckets;
+  std::vector<double> lateness_ms;  // per rank, when this step exchanged them (else empty)
 };
 
 // A DDP communication hook, adapted by the bindings: called (instead of the
@@ -219,6 +223,18 @@ class Reducer {
   void set_trace_capacity(int64_t steps);
   int64_t completed_steps() const;
 
+  // Training health, see training_health.h. The handler raises the check_finite error
+  // (the bindings make it Python's NonFiniteGradientError); without one, a c10::Error.
+  void set_nonfinite_handler(std::function<void(const std::string&)> handler);
+  StragglerReport straggler_report() const;
+  std::string take_straggler_warning();
+  // A joined rank's part in the health exchange of a step it shadows (join).
+  void shadow_health_exchange();
+  // float64 [sum of x^2, sum of |x|, max |x|] of param.grad as the last synchronised step
+  // unpacked it (Note [Statistics from the copy]); nullopt when param.grad is no longer
+  // what that step wrote (changed in place, replaced, sharded mode, a parameter left out).
+  std::optional<at::Tensor> copy_norms() const;
+
  private:
   struct Bucket {
     at::Tensor flat;                  // the contiguous buffer the collective reduces
@@ -267,6 +283,12 @@ class Reducer {
   void rebuild_from_rank0();
   void reset_iteration();
   void record_step(double backward_end, double finalize_end);
+  CopyStats pack_stats() const;
+  CopyStats unpack_stats() const;
+  void snapshot_gradients();
+  double last_bucket_slack_ms() const;
+  std::string exchange_health(bool joined);
+  at::Tensor allreduce_health(const at::Tensor& row, const char* what);
   std::vector<int64_t> observed_order() const;
   std::string describe_params(const std::vector<int64_t>& indices) const;
 
@@ -342,6 +364,16 @@ class Reducer {
   std::vector<double> last_ready_time_;  // per parameter, last completed step, relative
   std::deque<StepTiming> history_;
   size_t trace_capacity_ = 100;
+
+  // Training health. nonfinite_: int64 per parameter, NaN/Inf in the local gradients of
+  // this step (check_finite); norms_ and the gradients they describe: see copy_norms().
+  TrainingHealth health_;
+  std::function<void(const std::string&)> nonfinite_handler_;
+  at::Tensor nonfinite_;
+  at::Tensor norms_;
+  std::vector<char> observed_;  // parameters whose unpack added to norms_
+  std::vector<std::pair<const void*, int64_t>> grad_snapshot_;  // param.grad impl, version
+  bool norms_valid_ = false;
 };
 
 }  // namespace fused_reducer

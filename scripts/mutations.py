@@ -912,4 +912,38 @@ MUTATIONS = [
             "in flight",
         tests=["tests/test_sharded.py::test_torch_compile_with_a_sharded_optimizer_matches_compiled_ddp"],
     ),
+    dict(
+        id="sharded-clip-coefficient-not-clamped",
+        file="python/fused_reducer/sharded.py",
+        edits=[("coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)",
+                "coefficient = max_norm / (total + 1e-6)")],
+        why="gradients whose norm is below max_norm are scaled UP to max_norm: small updates "
+            "become large ones (survived the whole of test_sharded.py; issue 30)",
+        tests=["tests/test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp[world2]"],
+    ),
+    dict(
+        id="sharded-clip-inf-norm-summed",
+        file="python/fused_reducer/sharded.py",
+        edits=[("dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)",
+                "dist.all_reduce(total, group=self.model.process_group)")],
+        why="the inf-norm of the shards is summed over ranks instead of maxed: clip_grad_norm_"
+            "(norm_type=inf) clips by up to world_size times the real norm (issue 30)",
+        tests=["tests/test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp[world2]"],
+    ),
+    dict(
+        id="clip-from-copy-forgets-the-max",
+        file=REDUCER_PY,
+        edits=[("        return torch.tensor(max_abs if math.isfinite(sum_abs) else sum_abs,",
+                "        return torch.tensor(sum_abs,")],
+        why="model.clip_grad_norm_(norm_type=inf) from the copy returns the 1-norm",
+        tests=["tests/test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp[world2]"],
+    ),
+    dict(
+        id="nonfinite-not-counted-in-the-cpu-copy",
+        file="ext/bucket_copy.cpp",
+        edits=[("      if constexpr (kCount) local += std::isfinite(x) ? 0 : 1;\n", "")],
+        why="check_finite misses NaN/Inf in fp32 gradients on CPU: the poisoned average spreads "
+            "silently, as in DDP",
+        tests=["tests/test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp[world2]"],
+    ),
 ]

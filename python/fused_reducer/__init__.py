@@ -29,8 +29,8 @@ except ImportError:
 check_torch_version(_BUILD_TORCH, torch.__version__)  # before _C: its load is what would fail
 
 from . import _C  # noqa: E402
-from .errors import (FusedReducerError, ShardedGradientError,  # noqa: E402
-                     ShardedOptimizerError)
+from .errors import (FusedReducerError, NonFiniteGradientError,  # noqa: E402
+                     ShardedGradientError, ShardedOptimizerError)
 from .reducer import FusedReducer  # noqa: E402
 from .sharded import ShardedOptimizer  # noqa: E402
 from .transport import make_transport  # noqa: E402
@@ -47,6 +47,6 @@ def build_info():
     return info
 
 
-__all__ = ["FusedReducer", "FusedReducerError", "ShardedGradientError", "ShardedOptimizer",
+__all__ = ["FusedReducer", "FusedReducerError", "NonFiniteGradientError", "ShardedGradientError", "ShardedOptimizer",
            "ShardedOptimizerError", "build_info", "make_transport", "get_default_first_bucket_bytes",
            "set_default_first_bucket_bytes"]

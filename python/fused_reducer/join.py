@@ -40,6 +40,7 @@ class FusedReducerJoinHook(JoinHook):
             # Not zeros: DDP's joined rank all-reduces its last used map in place (what it used
             # last still counts as used for the others; results must equal DDP's).
             model._transport.allreduce_sum(model._reducer.joined_used_map()).wait()
+        model._reducer.shadow_health_exchange()  # check_finite, stragglers: Note [Health exchange]
         model._reducer.note_shadowed_step()
 
     def post_hook(self, is_last_joiner):

@@ -5,6 +5,7 @@ point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reduce
 """
 import atexit
 import logging
+import math
 import os
 import warnings
 import weakref
@@ -20,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
-from .errors import FusedReducerError, ShardedGradientError
+from .errors import FusedReducerError, ShardedGradientError, raise_nonfinite
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
                         timeout_seconds)
@@ -103,7 +104,8 @@ class FusedReducer(nn.Module, Joinable):
                  forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
                  mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
                  skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
-                 param_to_hook_all_reduce=None):
+                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=10,
+                 straggler_window=20, straggler_threshold_ms=None, straggler_warn_steps=10):
         super().__init__()
         Joinable.__init__(self)
         _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
@@ -131,6 +133,9 @@ class FusedReducer(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         # Needs find_unused_parameters, as in DDP; see Note [Skipping unused parameters].
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        self._health = _health_settings(check_finite, straggler_interval, straggler_window,
+                                        straggler_threshold_ms, straggler_warn_steps)
+        self.check_finite = self._health["check_finite"]
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -199,7 +204,10 @@ class FusedReducer(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
             timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,
-            reduce_dtype=getattr(self, "_reduce_dtype", None))
+            reduce_dtype=getattr(self, "_reduce_dtype", None),
+            **getattr(self, "_health", {}))
+        self._reducer.set_nonfinite_handler(raise_nonfinite)
+        self._norm_source = None  # how the last grad_norm() was computed: "copy" or "torch"
         self._params = params  # the reducer's parameter indices
         self._reducer.set_trace_capacity(self._trace_steps)
         self._sharded = getattr(self, "_sharded", False)  # unpickled from before it existed
@@ -306,6 +314,9 @@ class FusedReducer(nn.Module, Joinable):
                 self._log_rebuild()
         if self._will_sync_buffers():
             self._sync_buffers(joined=False)
+        warning = self._reducer.take_straggler_warning()
+        if warning:
+            _log.warning(warning)
         if self._join_config.enable:
             sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
         self._require_forward_param_sync = grad_sync
@@ -607,6 +618,79 @@ class FusedReducer(nn.Module, Joinable):
             return {"done": False, "state": "not started", "trials": [], "choice": None}
         return self._tuner.report()
 
+    # -- training health -------------------------------------------------------------------------
+    def straggler_report(self):
+        """Which ranks are late, from the slack of each rank's last bucket (Note [Lateness from
+        slack] in ext/training_health.cpp), exchanged every `straggler_interval` steps (every
+        step with check_finite): lateness_ms (per rank: how long after the earliest rank its
+        buckets were ready, median of its last `straggler_window` steps; None: not measured),
+        slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
+        rank, steps late in a row), threshold_ms, median_step_ms, step (of the last exchange,
+        0: none yet), interval, window, measured (False on GPU buckets: not measured there).
+        The same on every rank; local, no collective."""
+        report = dict(self._checked_reducer().straggler_report())
+        report["lateness_ms"] = [None if math.isnan(v) else v for v in report["lateness_ms"]]
+        report["measured"] = self.device.type == "cpu"
+        return report
+
+    def grad_norm(self, norm_type=2.0):
+        """The global norm of the averaged gradients: what
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type) computes, read
+        for norm_type 1, 2 and inf from what the unpack into param.grad accumulated (Note
+        [Statistics from the copy] in ext/bucket_copy.h): no pass over the gradients. If
+        param.grad changed since that backward wrote it (clipped, unscaled, accumulated, or set
+        by hand), or for another norm_type, it is computed by torch from param.grad. With a
+        ShardedOptimizer: its norm over the shards (collective: call on every rank)."""
+        norm_type = _checked_norm_type(norm_type)
+        if self._sharded:
+            return self._sharded_optimizer_for("grad_norm").grad_norm(norm_type)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        total = self._norm_from_copy(norm_type)
+        self._norm_source = "copy" if total is not None else "torch"
+        if total is None:
+            return torch.nn.utils.get_total_norm(grads, norm_type)
+        return total.to(device=grads[0].device, dtype=grads[0].dtype)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) with the norm from
+        grad_norm() (no pass over the gradients to measure them; one to scale them, torch's
+        clip_grads_with_norm_, as torch does). Returns the total norm. With a
+        ShardedOptimizer: its clip_grad_norm_ (collective)."""
+        if self._sharded:
+            return self._sharded_optimizer_for("clip_grad_norm_").clip_grad_norm_(
+                max_norm, norm_type, error_if_nonfinite)
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"FusedReducer.clip_grad_norm_: the total norm of order {float(norm_type)} of the "
+                "gradients is non-finite, so it cannot be clipped. To disable this error and "
+                "scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False")
+        grads = [p for p in self._params if p.grad is not None]
+        if grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+        return total
+
+    def _norm_from_copy(self, norm_type):
+        norms = self._reducer.copy_norms()
+        if norms is None or norm_type not in (1.0, 2.0, math.inf):
+            return None
+        sum_sq, sum_abs, max_abs = norms.tolist()
+        if norm_type == 2.0:
+            return torch.tensor(math.sqrt(sum_sq), dtype=torch.float64)
+        if norm_type == 1.0:
+            return torch.tensor(sum_abs, dtype=torch.float64)
+        return torch.tensor(max_abs if math.isfinite(sum_abs) else sum_abs, dtype=torch.float64)
+
+    def _sharded_optimizer_for(self, what):
+        optimizer = self._live_sharded_optimizer()
+        if optimizer is None:
+            raise FusedReducerError(
+                f"FusedReducer.{what}: this model is in sharded mode but its ShardedOptimizer "
+                "is gone; the averaged gradients exist only as its shards")
+        return optimizer
+
     # -- introspection -------------------------------------------------------------------------
     def bucket_sizes(self):
         """Bytes per bucket of the layout in force, in launch order."""
@@ -679,6 +763,38 @@ class FusedReducer(nn.Module, Joinable):
         if rebuilds != self._rebuilds_seen:
             self._rebuilds_seen = rebuilds
             self._log_layout(f"layout rebuilt (rebuild {rebuilds})")
+
+
+def _health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
+                     straggler_warn_steps):
+    """The C++ reducer's health options, checked (see ext/training_health.h)."""
+    if not isinstance(check_finite, bool):
+        raise FusedReducerError(f"FusedReducer: check_finite must be True or False, got "
+                                f"{check_finite!r}")
+    for name, value, low in (("straggler_interval", straggler_interval, 0),
+                             ("straggler_window", straggler_window, 1),
+                             ("straggler_warn_steps", straggler_warn_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise FusedReducerError(f"FusedReducer: {name} must be an int >= {low} (steps), got "
+                                    f"{value!r}")
+    threshold = straggler_threshold_ms
+    if threshold is None:
+        threshold = 0.0  # automatic
+    elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not threshold > 0:
+        raise FusedReducerError(f"FusedReducer: straggler_threshold_ms must be a positive number "
+                                f"of milliseconds, or None (automatic), got {threshold!r}")
+    return {"check_finite": check_finite, "straggler_interval": straggler_interval,
+            "straggler_window": straggler_window, "straggler_threshold_ms": float(threshold),
+            "straggler_warn_steps": straggler_warn_steps}
+
+
+def _checked_norm_type(norm_type):
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"FusedReducer: norm_type must be positive (a p-norm, or inf), got "
+                         f"{norm_type}")
+    return norm_type
 
 
 def _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):

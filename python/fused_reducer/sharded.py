@@ -297,10 +297,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """torch.nn.utils.clip_grad_norm_ over every parameter of this optimizer, as under DDP:
         the norm of all averaged gradients (summed over the shards: collective), and every shard
         scaled by max_norm / (norm + 1e-6) when that is below 1. Returns the total norm."""
+        grads, total = self._total_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"ShardedOptimizer.clip_grad_norm_: the total norm of order "
+                               f"{float(norm_type)} is non-finite, so it cannot be clipped")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.device, g.dtype))
+        return total
+
+    def grad_norm(self, norm_type=2.0):
+        """The norm clip_grad_norm_ would clip by, without clipping (collective)."""
+        return self._total_norm(norm_type)[1]
+
+    def _total_norm(self, norm_type):
         self.finish_param_gather()
         self._attach_gradients()
         grads = self._gradients()
         norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ShardedOptimizerError(f"ShardedOptimizer: norm_type must be positive (a p-norm, "
+                                        f"or inf), got {norm_type}")
         device = self.model._control_device
         if norm_type == float("inf"):
             local = max((g.detach().abs().max().float() for g in grads if g.numel()),
@@ -314,14 +331,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             total = local.reshape(1).to(device)
             dist.all_reduce(total, group=self.model.process_group)
             total = total[0] ** (1.0 / norm_type)
-        total = total.cpu()
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"ShardedOptimizer.clip_grad_norm_: the total norm of order "
-                               f"{norm_type} is non-finite, so it cannot be clipped")
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coefficient.to(g.device, g.dtype))
-        return total
+        return grads, total.cpu()
 
     # -- the step --------------------------------------------------------------------------------
     # GradScaler then hands itself to step() instead of unscaling param.grad (None here).

@@ -58,6 +58,11 @@ def chrome_trace(history, rank=0, meta=None):
                          {"exposed_wait_us": round(s["exposed_wait_us"], 1)}))
         events.append({"name": "overlap", "ph": "C", "pid": pid, "ts": round(t0, 3),
                        "args": {"overlap": round(s["overlap"], 4)}})
+        for r, late in enumerate(s.get("lateness_ms") or []):
+            # One counter row per rank: its lateness (straggler_report) where it was exchanged.
+            if _ok(late):
+                events.append({"name": f"lateness of rank {r} (ms)", "ph": "C", "pid": pid,
+                               "ts": round(t0, 3), "args": {"lateness_ms": round(late, 3)}})
         for b in s["buckets"]:
             tid = BUCKET_TID0 + b["bucket"]
             rows[tid] = f"bucket {b['bucket']}"

@@ -1,0 +1,218 @@
+#include "training_health.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+namespace fused_reducer {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double median(std::vector<double> values) {
+  values.erase(std::remove_if(values.begin(), values.end(), [](double v) { return std::isnan(v); }),
+               values.end());
+  if (values.empty()) {
+    return kNaN;
+  }
+  const size_t mid = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + mid, values.end());
+  double upper = values[mid];
+  if (values.size() % 2 == 1) {
+    return upper;
+  }
+  return (upper + *std::max_element(values.begin(), values.begin() + mid)) / 2;
+}
+
+std::string milliseconds(double ms) {
+  std::ostringstream out;
+  out.precision(ms < 10 ? 2 : 0);
+  out << std::fixed << ms << " ms";
+  return out.str();
+}
+
+}  // namespace
+
+TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
+    : options_(options), rank_(rank), world_size_(world_size), warned_(world_size, 0) {
+  TORCH_CHECK(options_.straggler_interval >= 0,
+              "FusedReducer: straggler_interval must be >= 0 steps (0: off), got ",
+              options_.straggler_interval);
+  TORCH_CHECK(options_.straggler_window > 0,
+              "FusedReducer: straggler_window must be a positive number of steps, got ",
+              options_.straggler_window);
+  TORCH_CHECK(options_.straggler_threshold_ms >= 0,
+              "FusedReducer: straggler_threshold_ms must be >= 0 (0 or None: automatic), got ",
+              options_.straggler_threshold_ms);
+  TORCH_CHECK(options_.straggler_warn_steps > 0,
+              "FusedReducer: straggler_warn_steps must be a positive number of steps, got ",
+              options_.straggler_warn_steps);
+  report_.lateness_ms.assign(world_size, kNaN);
+  report_.late_steps.assign(world_size, 0);
+  report_.interval = options_.straggler_interval;
+  report_.window = options_.straggler_window;
+}
+
+bool TrainingHealth::end_step(double slack_ms, double step_ms) {
+  slack_ms_.push_back(slack_ms);
+  step_ms_.push_back(step_ms);
+  while (static_cast<int64_t>(slack_ms_.size()) > options_.straggler_window) {
+    slack_ms_.pop_front();
+    step_ms_.pop_front();
+  }
+  return shadow_step();
+}
+
+bool TrainingHealth::shadow_step() {
+  steps_ += 1;
+  const bool stragglers_due =
+      options_.straggler_interval > 0 && steps_ % options_.straggler_interval == 0;
+  return options_.check_finite || stragglers_due;
+}
+
+at::Tensor TrainingHealth::row(int64_t nonfinite, bool joined) const {
+  at::Tensor row = at::zeros({3 * static_cast<int64_t>(world_size_)}, at::kDouble);
+  double* entries = row.mutable_data_ptr<double>() + 3 * rank_;
+  entries[0] = static_cast<double>(nonfinite);
+  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});
+  entries[2] = joined ? kNaN : median({step_ms_.begin(), step_ms_.end()});
+  return row;
+}
+
+int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
+  const double* rows = summed_rows.const_data_ptr<double>();
+  double total = 0;
+  for (int64_t r = 0; r < summed_rows.numel() / 3; ++r) {
+    total += rows[3 * r];
+  }
+  return static_cast<int64_t>(total);
+}
+
+// Note [Lateness from slack]
+// Clocks of different hosts do not agree, so a rank's lateness is not read off its own
+// clock. The collective of the last bucket is what every rank waits in: it completes
+// at about the same moment on every rank (within its own latency), once the last rank
+// has contributed. So a rank's slack (from its last bucket being ready to that
+// collective's completion, both on its own clock) is long on an early rank and short on
+// the late one, and lateness(r) = max over ranks of slack - slack(r): how long after the
+// earliest rank r's buckets were ready. Each rank reports the median of its last
+// `straggler_window` slacks, so one slow step does not name a rank.
+void TrainingHealth::update_stragglers(const at::Tensor& summed_rows, int64_t step) {
+  const double* rows = summed_rows.const_data_ptr<double>();
+  double earliest = -std::numeric_limits<double>::infinity();
+  std::vector<double> steps;
+  for (int r = 0; r < world_size_; ++r) {
+    if (!std::isnan(rows[3 * r + 1])) earliest = std::max(earliest, rows[3 * r + 1]);
+    steps.push_back(rows[3 * r + 2]);
+  }
+  report_.median_step_ms = median(steps);
+  report_.threshold_ms = options_.straggler_threshold_ms > 0
+                             ? options_.straggler_threshold_ms
+                             : std::max(5.0, 0.1 * (std::isnan(report_.median_step_ms)
+                                                         ? 0.0 : report_.median_step_ms));
+  const int64_t elapsed = step - last_update_step_;
+  last_update_step_ = step;
+  report_.step = step;
+  report_.stragglers.clear();
+  report_.slowest = -1;
+  double slowest = -1;
+  std::ostringstream warning;
+  for (int r = 0; r < world_size_; ++r) {
+    const double slack = rows[3 * r + 1];
+    const double lateness = std::isnan(slack) ? kNaN : earliest - slack;
+    report_.lateness_ms[r] = lateness;
+    if (!std::isnan(lateness) && lateness > slowest) {
+      slowest = lateness;
+      report_.slowest = r;
+    }
+    const bool late = !std::isnan(lateness) && lateness > report_.threshold_ms;
+    if (!late) {
+      report_.late_steps[r] = 0;
+      warned_[r] = 0;  // a later episode warns again
+      continue;
+    }
+    report_.stragglers.push_back(r);
+    report_.late_steps[r] += elapsed;
+    if (report_.late_steps[r] >= options_.straggler_warn_steps && !warned_[r]) {
+      warned_[r] = 1;
+      warning << (warning.tellp() > 0 ? "; " : "") << "rank " << r << " has been late for "
+              << report_.late_steps[r] << " steps: its buckets are ready "
+              << milliseconds(lateness) << " after the earliest rank's (median of its last "
+              << options_.straggler_window << " steps; threshold "
+              << milliseconds(report_.threshold_ms) << ", median step "
+              << milliseconds(report_.median_step_ms) << ")";
+    }
+  }
+  if (warning.tellp() > 0) {
+    warning_ = "FusedReducer: straggler: " + warning.str() +
+               ". Every rank waits for it each step; look at that rank's host (GPU clocks, "
+               "data loading, other processes). model.straggler_report() has every rank's "
+               "lateness.";
+  }
+}
+
+std::string TrainingHealth::take_warning() {
+  std::string warning;
+  warning.swap(warning_);
+  return warning;
+}
+
+at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
+                                      const std::vector<int64_t>& order) const {
+  at::Tensor row = at::zeros({kDetail * world_size_}, at::kDouble);
+  double* entries = row.mutable_data_ptr<double>() + kDetail * rank_;
+  std::vector<char> seen(counts.size(), 0);
+  int64_t named = 0;
+  auto note = [&](int64_t index) {
+    if (seen[index] || counts[index] == 0) return;
+    seen[index] = 1;
+    entries[0] += 1;
+    if (named < kNamed) {
+      entries[1 + 2 * named] = static_cast<double>(index);
+      entries[2 + 2 * named] = static_cast<double>(counts[index]);
+      named += 1;
+    }
+  };
+  for (const int64_t index : order) note(index);  // first produced in this backward first
+  for (int64_t index = 0; index < static_cast<int64_t>(counts.size()); ++index) note(index);
+  return row;
+}
+
+std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
+                                              const at::Tensor& summed_detail,
+                                              const std::vector<std::string>& names,
+                                              int64_t step) const {
+  const double* rows = summed_rows.const_data_ptr<double>();
+  const double* detail = summed_detail.const_data_ptr<double>();
+  std::ostringstream out;
+  out << "FusedReducer: non-finite gradients (NaN or Inf) in step " << step
+      << " (check_finite=True), in the local gradients of ";
+  bool first_rank = true;
+  for (int r = 0; r < world_size_; ++r) {
+    const auto count = static_cast<int64_t>(rows[3 * r]);
+    if (count == 0) continue;
+    const double* entries = detail + kDetail * r;
+    const auto params = static_cast<int64_t>(entries[0]);
+    out << (first_rank ? "" : "; ") << "rank " << r << ": " << count << " element"
+        << (count == 1 ? "" : "s") << " in " << params << " parameter" << (params == 1 ? "" : "s")
+        << ", first ";
+    first_rank = false;
+    for (int64_t k = 0; k < std::min(params, kNamed); ++k) {
+      const auto index = static_cast<size_t>(entries[1 + 2 * k]);
+      out << (k ? ", " : "") << "'" << (index < names.size() ? names[index] : "?") << "' ("
+          << static_cast<int64_t>(entries[2 + 2 * k]) << ")";
+    }
+    if (params > kNamed) out << " and " << params - kNamed << " more";
+  }
+  out << ". They were averaged into every rank's gradients, so every rank raises this: "
+         "param.grad holds that average (non-finite where they were). Call "
+         "optimizer.zero_grad() and skip optimizer.step() for this batch: the next step then "
+         "trains as DDP would from the same parameters. To find the cause, look at the named "
+         "rank's batch, loss scale and learning rate.";
+  return out.str();
+}
+
+}  // namespace fused_reducer

@@ -1,0 +1,91 @@
+// Training health: what the reducer learns about every rank for almost nothing,
+// because every gradient passes through it and every rank meets in its collectives.
+//
+//   check_finite   each rank counts NaN/Inf in its local gradients during the copy
+//                  into the buckets (Note [Statistics from the copy]); at the end of
+//                  backward the counts are exchanged and every rank raises the same
+//                  error naming the ranks and parameters.
+//   stragglers     each rank measures how long its last bucket waited for the others
+//                  (its slack); the rank whose buckets were ready last waits least.
+//
+// The reducer runs the exchanges (Note [Health exchange]); this class holds the
+// per-rank state, builds the rows each rank contributes and reads the sums.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+namespace fused_reducer {
+
+struct HealthOptions {
+  bool check_finite = false;
+  int64_t straggler_interval = 10;      // steps between straggler exchanges; 0: off
+  int64_t straggler_window = 20;        // steps whose median slack a rank reports
+  double straggler_threshold_ms = 0;    // late beyond this; 0: max(5 ms, 10 % of the median step)
+  int64_t straggler_warn_steps = 10;    // one warning when a rank stays late this many steps
+};
+
+struct StragglerReport {
+  int64_t step = 0;                  // the synchronised step of the last exchange (0: none yet)
+  std::vector<double> lateness_ms;   // per rank; NaN: no measurement (joined, or none yet)
+  int64_t slowest = -1;
+  std::vector<int64_t> stragglers;   // late beyond threshold_ms in the last exchange
+  std::vector<int64_t> late_steps;   // per rank: steps it has been late in a row
+  double threshold_ms = 0;
+  double median_step_ms = 0;
+  int64_t interval = 0;
+  int64_t window = 0;
+};
+
+class TrainingHealth {
+ public:
+  TrainingHealth(HealthOptions options, int rank, int world_size);
+
+  const HealthOptions& options() const { return options_; }
+
+  // One synchronised step of this rank ended: its last bucket waited `slack_ms` for
+  // the others (NaN: not measured), its forward + backward took `step_ms`. Returns
+  // whether this step exchanges (every rank decides alike: same count of steps).
+  bool end_step(double slack_ms, double step_ms);
+  // A joined rank shadowed one step of the others (join): same decision, no sample.
+  bool shadow_step();
+
+  // This rank's contribution to the exchange: float64 [3 * world], zeros except its
+  // own entries [nonfinite count, median slack ms, median step ms] (NaN: none).
+  at::Tensor row(int64_t nonfinite, bool joined) const;
+  static int64_t total_nonfinite(const at::Tensor& summed_rows);
+  // Reads the summed rows: lateness, stragglers, the warning to log.
+  void update_stragglers(const at::Tensor& summed_rows, int64_t step);
+
+  // The second exchange, when some rank counted non-finite elements: float64
+  // [world * kDetail]: this rank's number of offending parameters, then up to
+  // kNamed (parameter index, count) pairs, the first in `order` (ready order).
+  static constexpr int64_t kNamed = 3;
+  static constexpr int64_t kDetail = 1 + 2 * kNamed;
+  at::Tensor detail_row(const std::vector<int64_t>& counts, const std::vector<int64_t>& order) const;
+  // The error every rank raises, built from the summed rows alone (so it is the same text
+  // on every rank).
+  std::string nonfinite_message(const at::Tensor& summed_rows, const at::Tensor& summed_detail,
+                                const std::vector<std::string>& names, int64_t step) const;
+
+  StragglerReport report() const { return report_; }
+  std::string take_warning();
+
+ private:
+  HealthOptions options_;
+  int rank_;
+  int world_size_;
+  int64_t steps_ = 0;  // synchronised (or shadowed) steps
+  std::deque<double> slack_ms_;
+  std::deque<double> step_ms_;
+  StragglerReport report_;
+  int64_t last_update_step_ = 0;
+  std::vector<char> warned_;
+  std::string warning_;
+};
+
+}  // namespace fused_reducer

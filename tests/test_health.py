@@ -1,0 +1,285 @@
+"""Training health (issue 30), on 2-3 gloo ranks, against independent references:
+- check_finite: a NaN/Inf in one rank's local gradients raises NonFiniteGradientError on every
+  rank at the end of that backward, the same text, naming the rank, the parameter and the count
+  of non-finite elements (counted here on a plain local copy of the model); after zero_grad()
+  and a skipped step, training equals DDP skipping the same step. Also under no_sync (checked
+  at the synchronising step), reduce_dtype=bf16, gradient_as_bucket_view, a comm hook,
+  find_unused_parameters and a ShardedOptimizer, on both CPU transports.
+- straggler_report: a rank sleeping 40 ms before backward is named within 10 steps, warned about
+  once, and has a row in export_trace; a balanced run names nobody in 50 steps.
+- clip_grad_norm_ / grad_norm from the copy, and ShardedOptimizer.clip_grad_norm_: every norm
+  type, norms below and above max_norm, equal to torch.nn.utils.clip_grad_norm_ under DDP within
+  1e-6 relative, and the same parameters after the step (this is what catches a coefficient not
+  clamped to 1, or an inf-norm summed over ranks instead of maxed).
+"""
+import json
+import logging
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fused_reducer import FusedReducer, NonFiniteGradientError, ShardedOptimizer
+from dist_utils import per_rank, run_checks
+
+BACKENDS = ("shm", "process_group")
+KB = 1024
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def _batch(rank, step, poison=False):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    if poison:
+        x[3, 5] = float("nan")
+    return x, torch.randn(8, 4, generator=g)
+
+
+def _loss(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def _local_nonfinite(x, y):
+    """Non-finite elements of a plain local copy's gradients: the independent count."""
+    net = _net()
+    _loss(net, x, y).backward()
+    return {n: int((~torch.isfinite(p.grad)).sum()) for n, p in net.named_parameters()}
+
+
+VARIANTS = {
+    "plain": {},
+    "bf16": dict(reduce_dtype=torch.bfloat16),
+    "bucket_view": dict(gradient_as_bucket_view=True),
+    "find_unused": dict(find_unused_parameters=True),
+    "comm_hook": {},
+    "no_sync": {},
+    "sharded": {},
+}
+
+
+def check_nonfinite(rank, world):
+    out = {}
+    bad_step = 2
+    for backend in BACKENDS:
+        for variant, kwargs in VARIANTS.items():
+            ours = FusedReducer(_net(), backend=backend, check_finite=True, bucket_cap_mb=2 * KB / 2**20,
+                                **kwargs)
+            if variant == "comm_hook":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+                ours.register_comm_hook(None, default_hooks.allreduce_hook)
+            ddp = DDP(_net(), **{k: v for k, v in kwargs.items() if k != "reduce_dtype"})
+            if variant == "sharded":
+                opt = ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+            else:
+                opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+            ref = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            errors = []
+            for step in range(5):
+                poison = step == bad_step and rank == world - 1
+                x, y = _batch(rank, step, poison)
+                opt.zero_grad()
+                ref.zero_grad()
+                try:
+                    if variant == "no_sync":  # the NaN comes in the no_sync micro-step
+                        with ours.no_sync():
+                            _loss(ours, x, y).backward()
+                        x2, y2 = _batch(rank, step + 100)
+                        _loss(ours, x2, y2).backward()
+                    else:
+                        _loss(ours, x, y).backward()
+                    opt.step()
+                except NonFiniteGradientError as e:
+                    errors.append((step, str(e)))
+                    opt.zero_grad()  # skip this step, as the message says
+                if variant == "no_sync":
+                    with ddp.no_sync():
+                        _loss(ddp, x, y).backward()
+                    _loss(ddp, x2, y2).backward()
+                else:
+                    _loss(ddp, x, y).backward()
+                if all(torch.isfinite(p.grad).all() for p in ddp.parameters()):
+                    ref.step()  # DDP's run skips the same step
+            if variant == "sharded":
+                opt.finish_param_gather()
+            expected = _local_nonfinite(*_batch(world - 1, bad_step, True))
+            out[(backend, variant)] = (errors, _max_diff(ours.module.parameters(),
+                                                         ddp.module.parameters()), expected)
+            ours.close()
+    return out
+
+
+def check_straggler(rank, world):
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("fused_reducer").addHandler(handler)
+    out = {}
+    for sleepy in (True, False):
+        records.clear()
+        ours = FusedReducer(_net())
+        opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+        named_at = None
+        named_ever = []
+        steps = 30 if sleepy else 50
+        for step in range(steps):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            loss = _loss(ours, x, y)
+            if sleepy and rank == 1:
+                time.sleep(0.04)
+            loss.backward()
+            opt.step()
+            report = ours.straggler_report()
+            if report["stragglers"]:
+                named_ever.append((step + 1, report["stragglers"]))
+                if named_at is None:
+                    named_at = step + 1
+        path = ours.export_trace(f"/tmp/fr_health_trace_{rank}_{sleepy}.json")
+        with open(path) as f:
+            rows = {e["name"] for e in json.load(f)["traceEvents"]}
+        out[sleepy] = dict(named_at=named_at, named_ever=named_ever, report=report,
+                           warnings=[m for m in records if "straggler" in m],
+                           lateness_rows=sorted(r for r in rows if r.startswith("lateness")))
+        ours.close()
+    logging.getLogger("fused_reducer").removeHandler(handler)
+    return out
+
+
+NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
+
+
+def check_clip_norms(rank, world):
+    """For each norm type and loss scale (norm below and above max_norm): ours (model.clip_grad_
+    norm_, and a ShardedOptimizer's) vs torch's clip under DDP: norms, then parameters after a
+    step (SGD, so a wrong coefficient shows)."""
+    out = {}
+    for backend in BACKENDS:
+        for norm_type in NORM_TYPES:
+            for scale in (1e-3, 10.0):
+                for sharded in (False, True):
+                    ours = FusedReducer(_net(), backend=backend, bucket_cap_mb=2 * KB / 2**20)
+                    ddp = DDP(_net())
+                    opt = (ShardedOptimizer(ours, torch.optim.SGD, lr=0.5) if sharded
+                           else torch.optim.SGD(ours.parameters(), lr=0.5))
+                    ref = torch.optim.SGD(ddp.parameters(), lr=0.5)
+                    rows = []
+                    for step in range(2):
+                        x, y = _batch(rank, step)
+                        opt.zero_grad()
+                        ref.zero_grad()
+                        (_loss(ours, x, y) * scale).backward()
+                        (_loss(ddp, x, y) * scale).backward()
+                        clip = opt.clip_grad_norm_ if sharded else ours.clip_grad_norm_
+                        mine = float(clip(1.0, norm_type))
+                        source = None if sharded else ours._norm_source
+                        theirs = float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0,
+                                                                      norm_type))
+                        opt.step()
+                        ref.step()
+                        rows.append((mine, theirs, source))
+                    if sharded:
+                        opt.finish_param_gather()
+                    out[(backend, norm_type, scale, sharded)] = (
+                        rows, _max_diff(ours.module.parameters(), ddp.module.parameters()))
+                    ours.close()
+    return out
+
+
+def check_norm_follows_param_grad(rank, world):
+    """grad_norm() after param.grad changed (scaled in place, accumulated by a second backward,
+    replaced) is torch's norm of what param.grad holds then, never the stale copy."""
+    ours = FusedReducer(_net())
+    x, y = _batch(rank, 0)
+    _loss(ours, x, y).backward()
+    sources = []
+    fresh = float(ours.grad_norm())
+    sources.append(ours._norm_source)
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()]))
+    for p in ours.parameters():
+        p.grad.mul_(3.0)
+    scaled = float(ours.grad_norm())
+    sources.append(ours._norm_source)
+    expected_scaled = float(torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()]))
+    next(ours.parameters()).grad = torch.zeros_like(next(ours.parameters()))
+    replaced = float(ours.grad_norm())
+    sources.append(ours._norm_source)
+    expected_replaced = float(torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()]))
+    ours.close()
+    return dict(values=[(fresh, expected), (scaled, expected_scaled),
+                        (replaced, expected_replaced)], sources=sources)
+
+
+CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def outcomes(request):
+    return request.param, run_checks(CHECKS, request.param, timeout=600)
+
+
+def test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp(outcomes):
+    world, outcomes = outcomes
+    per = per_rank(outcomes, "check_nonfinite")
+    for key in per[0]:
+        messages = [r[key][0] for r in per]
+        errors, diff, expected = per[0][key]
+        assert len(errors) == 1 and errors[0][0] == 2, (key, errors)
+        assert all(m == messages[0] for m in messages), (key, messages)  # the same text
+        text = errors[0][1]
+        bad = {n: c for n, c in expected.items() if c}
+        assert f"rank {world - 1}: {sum(bad.values())} elements in {len(bad)} parameters" in text, \
+            (key, text, bad)
+        # First named: the first produced in backward (the last layer's bias), with its count.
+        assert f"first '4.bias' ({expected['4.bias']})" in text and "zero_grad()" in text, text
+        assert "in step 3 " in text, text  # the third synchronised step
+        for other in range(world - 1):
+            assert f"rank {other}:" not in text, text
+        bound = 1e-2 if key[1] == "bf16" else 1e-6
+        assert diff <= bound, (key, diff)
+
+
+def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody(
+        outcomes):
+    world, outcomes = outcomes
+    for rank, out in enumerate(per_rank(outcomes, "check_straggler")):
+        slow, balanced = out[True], out[False]
+        assert slow["named_at"] is not None and slow["named_at"] <= 10, slow
+        assert slow["report"]["stragglers"] == [1] and slow["report"]["slowest"] == 1, slow
+        assert slow["report"]["lateness_ms"][1] >= 30, slow["report"]
+        assert len(slow["warnings"]) == 1 and "rank 1 has been late" in slow["warnings"][0], slow
+        assert "lateness of rank 1 (ms)" in slow["lateness_rows"], slow["lateness_rows"]
+        assert balanced["named_ever"] == [], balanced
+        assert balanced["warnings"] == [], balanced
+        assert balanced["report"]["step"] == 50, balanced["report"]
+
+
+def test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_clip_norms"):
+        for key, (rows, diff) in out.items():
+            for mine, theirs, source in rows:
+                assert abs(mine - theirs) <= 1e-6 * theirs, (key, mine, theirs)
+                if key[1] in (1.0, 2.0, math.inf) and not key[3]:
+                    assert source == "copy", (key, source)
+            assert diff <= 1e-6, (key, diff)
+
+
+def test_grad_norm_follows_param_grad_after_it_changed(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_norm_follows_param_grad"):
+        for got, expected in out["values"]:
+            assert abs(got - expected) <= 1e-6 * expected, out
+        assert out["sources"] == ["copy", "torch", "torch"], out
