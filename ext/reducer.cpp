@@ -26,6 +26,15 @@ constexpr const char* kFindUnusedHint =
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+// Stragglers are measured from host times of the collectives (Note [Lateness from slack]),
+// which GPU buckets do not give: no straggler exchange there (it would carry nothing).
+HealthOptions health_options_for(HealthOptions options, const std::vector<at::Tensor>& params) {
+  if (!params.empty() && !params.front().is_cpu()) {
+    options.straggler_interval = 0;
+  }
+  return options;
+}
+
 // Note [Slot layout]
 // Every parameter's slot in a bucket starts at a multiple of kSlotAlignBytes
 // (padding is zeros and is reduced with the rest), so the fused copy kernel
@@ -169,7 +178,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
       options_(options),
       rank_(group_->getRank()),
       world_size_(group_->getSize()),
-      health_(options_.health, rank_, world_size_) {
+      health_(health_options_for(options_.health, params_), rank_, world_size_) {
   TORCH_CHECK(!params_.empty(), "FusedReducer: the module has no trainable parameters");
   TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
   check_bucket_caps(options_.bucket_caps_bytes);
@@ -811,11 +820,6 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
 // See Note [Lateness from slack]: from the last reduced bucket being ready to its
 // collective being seen complete.
 double Reducer::last_bucket_slack_ms() const {
-  if (!copy_at_hook_) {
-    // GPU buckets: the host's wait returns at once (a stream wait), so host times say
-    // nothing of the collective; not measured there yet (NaN: no sample).
-    return kNaN;
-  }
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
       return (it->timing.complete_us - it->timing.ready_last_us) / 1000.0;
@@ -846,7 +850,7 @@ std::string Reducer::exchange_health(bool joined) {
     for (const int64_t count : counts) nonfinite += count;
   }
   const at::Tensor rows = allreduce_health(health_.row(nonfinite, joined), "health exchange");
-  if (options_.health.straggler_interval > 0) {
+  if (health_.options().straggler_interval > 0) {
     health_.update_stragglers(rows, stats_.step);
     if (!history_.empty() && !joined) {
       history_.back().lateness_ms = health_.report().lateness_ms;

@@ -245,6 +245,22 @@ COVERAGE = {
         "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
         "test_lifecycle.py::test_verdict_flags_an_abort_a_hang_a_silent_peer_and_a_leftover_segment",
     ],
+    "`check_finite=True`": [
+        "test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp",
+    ],
+    "`straggler_report()`": [
+        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
+    ],
+    "`grad_norm(norm_type=2.0)`, `clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False)`": [
+        "test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp",
+        "test_health.py::test_grad_norm_follows_param_grad_after_it_changed",
+    ],
+    "a NaN/Inf in one rank's gradients": [
+        "test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp",
+    ],
+    "a slow rank": [
+        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
+    ],
     "a peer process dead over gloo": [
         "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
     ],

@@ -105,6 +105,30 @@ def test_fused_reducer_on_nccl_matches_ddp(nccl_world_of_one, as_view):
         assert stats["copy_launches"] >= stats["buckets"]
 
 
+def test_check_finite_and_the_norm_from_the_copy_on_nccl(nccl_world_of_one):
+    """The CUDA kernel's statistics (Note [Statistics from the copy]): NaN counted in the pack,
+    norms accumulated in the unpack, against torch on the same gradients."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl", bucket_cap_mb=0.01,
+                                      check_finite=True)
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    ours(x).square().mean().backward()
+    for norm_type in (1.0, 2.0, float("inf")):
+        mine = float(ours.grad_norm(norm_type))
+        assert ours._norm_source == "copy"
+        theirs = float(torch.nn.utils.get_total_norm(
+            [p.grad.double() for p in ours.parameters()], norm_type))
+        assert abs(mine - theirs) <= 1e-6 * theirs, (norm_type, mine, theirs)
+    ours.zero_grad()
+    x[3, 5] = float("nan")
+    with pytest.raises(fused_reducer.NonFiniteGradientError, match=r"rank 0: \d+ elements"):
+        ours(x).square().mean().backward()
+    ours.zero_grad()
+    x[3, 5] = 0.0
+    ours(x).square().mean().backward()  # the next step trains normally
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
+    ours.close()
+
+
 def test_no_sync_on_gpu_accumulates_then_reduces(nccl_world_of_one):
     ours = fused_reducer.FusedReducer(_model(), backend="nccl")
     ref = _model()
