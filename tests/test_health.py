@@ -222,7 +222,31 @@ def check_norm_follows_param_grad(rank, world):
                         (replaced, expected_replaced)], sources=sources)
 
 
-CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad]
+def check_join(rank, world):
+    """Uneven inputs under join() with check_finite and a straggler exchange every 2 steps: the
+    joined ranks take part in every exchange (no hang, no mismatched collective), and the
+    parameters equal DDP's join."""
+    ours = FusedReducer(_net(), check_finite=True, straggler_interval=2,
+                        bucket_cap_mb=2 * KB / 2**20)
+    ddp = DDP(_net())
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ref = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    batches = 7 - 2 * rank
+    for model, optimizer in ((ours, opt), (ddp, ref)):
+        with model.join():
+            for step in range(batches):
+                x, y = _batch(rank, step)
+                optimizer.zero_grad()
+                _loss(model, x, y).backward()
+                optimizer.step()
+    report = ours.straggler_report()
+    diff = _max_diff(ours.module.parameters(), ddp.module.parameters())
+    ours.close()
+    return dict(diff=diff, report_step=report["step"])
+
+
+CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
+          check_join]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -283,3 +307,10 @@ def test_grad_norm_follows_param_grad_after_it_changed(outcomes):
         for got, expected in out["values"]:
             assert abs(got - expected) <= 1e-6 * expected, out
         assert out["sources"] == ["copy", "torch", "torch"], out
+
+
+def test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_join"):
+        assert out["diff"] <= 1e-6, out
+        assert out["report_step"] > 0, out

@@ -884,6 +884,9 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
         def zero_buckets(self):
             return [(torch.zeros(5), [], [0, 1], False), (torch.zeros(3), [], [2], True)]
 
+        def shadow_health_exchange(self):
+            calls.append(("shadow_health_exchange",))
+
         def note_shadowed_step(self):
             calls.append(("note_shadowed_step",))
 
@@ -907,5 +910,5 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
                     ("allreduce", torch.float32, (5,)), ("allreduce", torch.float32, (3,))]
         if find_unused:
             expected.append(("allreduce", torch.int32, (3,)))
-        expected.append(("note_shadowed_step",))
+        expected += [("shadow_health_exchange",), ("note_shadowed_step",)]
         assert calls == expected, f"find_unused_parameters={find_unused}: {calls}"
