@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 #ifdef FUSED_REDUCER_WITH_CUDA
@@ -202,11 +203,15 @@ void observe_destination(const CopyJob& job, const CopyStats* stats) {
   if (stats == nullptr || !stats->norms.defined() || job.dst.numel() == 0) {
     return;
   }
-  const at::Tensor magnitude = job.dst.to(at::kDouble).abs();
-  stats->norms.narrow(0, 0, 1).add_(magnitude.square().sum());
-  stats->norms.narrow(0, 1, 1).add_(magnitude.sum());
+  // Reductions that widen on the fly: no float64 copy of the gradient (a temporary that
+  // size would stay resident in the allocator's cache).
+  const auto norm = [&](double ord) {
+    return at::linalg_vector_norm(job.dst, ord, at::OptionalIntArrayRef(), false, at::kDouble);
+  };
+  stats->norms.narrow(0, 0, 1).add_(norm(2.0).square());
+  stats->norms.narrow(0, 1, 1).add_(norm(1.0));
   at::Tensor max_abs = stats->norms.narrow(0, 2, 1);
-  max_abs.copy_(at::fmax(max_abs, magnitude.max().reshape({1})));
+  max_abs.copy_(at::fmax(max_abs, norm(std::numeric_limits<double>::infinity()).reshape({1})));
 }
 
 }  // namespace

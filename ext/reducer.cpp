@@ -617,7 +617,6 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
     if (!keep(index)) {
       continue;  // no rank used it: leave its gradient untouched, like DDP
     }
-    observed_[index] = 1;
     at::Tensor& grad = params_[index].mutable_grad();
     const at::Tensor& view = bucket.views[slot];
     if (!grad.defined()) {
@@ -625,12 +624,13 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
       grad = options_.gradient_as_bucket_view
                  ? view
                  : view.to(params_[index].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-      observe_with_aten({at::Tensor(), grad, index}, stats);
     } else if (!grad.is_alias_of(view)) {
       jobs.push_back({view, grad, index});
-    } else {
-      observe_with_aten({at::Tensor(), grad, index}, stats);  // a bucket view: no copy to ride on
+      observed_[index] = 1;  // the copy below adds it to norms_
     }
+    // A bucket view (gradient_as_bucket_view) has no copy to ride on: left unobserved, so
+    // copy_norms() is nullopt and grad_norm() is torch's pass over param.grad.
+
   }
   copy_launches_this_step_ += scaled_copy(jobs, 1.0, &stats);
 }
