@@ -91,6 +91,29 @@ cuda_sources = sorted(glob.glob("cuda/*.cu")) + sorted(glob.glob("cuda/*.cpp"))
 with_cuda, why = use_cuda()
 cxx_flags = ["-O3", "-std=c++20"]
 
+
+def torchs_libstdcxx():
+    """The linker argument that gives the extension torch's own C++ runtime.
+
+    The extension lives in torch's process and must share its libstdc++: a second, static copy
+    (the GPU machines' g++ links one, and there `-lstdc++` found no shared library either) keeps
+    locale state of its own, and the first `std::ostringstream << n` crashed. The very file this
+    process loaded with torch, named before the driver's own libraries, resolves every C++ runtime
+    symbol, so no static copy is pulled in."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return "-lstdc++"
+
+
+link_shared_libstdcxx = [torchs_libstdcxx()]
+print(f"fused_reducer: C++ runtime {link_shared_libstdcxx[0]}")
+
 if with_cuda and cuda_sources:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     nccl_include, nccl_lib = find_nccl()
@@ -106,7 +129,8 @@ if with_cuda and cuda_sources:
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]},
         # Link the very libnccl.so.2 torch loads, so one NCCL lives in the process: found next to
         # the installed package (site-packages/nvidia/nccl/lib), else where it was at build time.
-        extra_link_args=[nccl_so, "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"],
+        extra_link_args=[nccl_so, "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib", f"-Wl,-rpath,{nccl_lib}"]
+        + link_shared_libstdcxx,
     )
 else:
     if not with_cuda:
@@ -116,6 +140,7 @@ else:
         cpp_sources,
         include_dirs=[os.path.join(ROOT, "ext")],
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_shared_libstdcxx,
     )
 
 setup(

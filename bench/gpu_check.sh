@@ -189,6 +189,7 @@ failed=0
 # --timeout 60 (pytest-timeout) bounds every test, a peer that never joins included, well inside
 # the stage's 140 s; -rs lists skips in the log, the junit XML feeds the no_skips stage.
 GPU_TESTS=(
+  tests/test_packaging.py::test_the_extension_shares_torchs_libstdcxx
   tests/test_gpu.py
   tests/test_gpu_ordering.py
   tests/test_backend.py

@@ -204,9 +204,11 @@ void observe_destination(const CopyJob& job, const CopyStats* stats) {
     return;
   }
   // Reductions that widen on the fly: no float64 copy of the gradient (a temporary that
-  // size would stay resident in the allocator's cache).
+  // size would stay resident in the allocator's cache). A complex gradient's norm is that of its
+  // magnitudes (as torch's clip_grad_norm_); vector_norm widens it only to a complex dtype.
+  const auto wide = job.dst.is_complex() ? at::kComplexDouble : at::kDouble;
   const auto norm = [&](double ord) {
-    return at::linalg_vector_norm(job.dst, ord, at::OptionalIntArrayRef(), false, at::kDouble);
+    return at::linalg_vector_norm(job.dst, ord, at::OptionalIntArrayRef(), false, wide);
   };
   stats->norms.narrow(0, 0, 1).add_(norm(2.0).square());
   stats->norms.narrow(0, 1, 1).add_(norm(1.0));

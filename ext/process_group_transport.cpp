@@ -12,6 +12,28 @@ namespace fused_reducer {
 
 namespace {
 
+// torch 2.12 renamed ProcessGroup::_reduce_scatter_base/_allgather_base to *_single (the old
+// names stay as deprecated aliases); GPU machines may carry an older torch, so use whichever the
+// headers have. Templates, so that the branch not taken is never compiled.
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> reduce_scatter_into(Group& group, at::Tensor& out, at::Tensor& in,
+                                                   const c10d::ReduceScatterOptions& options) {
+  if constexpr (requires { group.reduce_scatter_single(out, in, options); }) {
+    return group.reduce_scatter_single(out, in, options);
+  } else {
+    return group._reduce_scatter_base(out, in, options);
+  }
+}
+
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> all_gather_into(Group& group, at::Tensor& out, at::Tensor& in) {
+  if constexpr (requires { group.all_gather_single(out, in); }) {
+    return group.all_gather_single(out, in);
+  } else {
+    return group._allgather_base(out, in);
+  }
+}
+
 // See Note [Releasing process-group work]. On the heap and never destroyed.
 std::mutex& parked_mutex() {
   static auto* mutex = new std::mutex();
@@ -247,7 +269,7 @@ std::unique_ptr<PendingCollective> ProcessGroupTransport::reduce_scatter_sum(
   at::Tensor mine = whole.narrow(0, group_->getRank() * shard, shard);
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return pending(group_->reduce_scatter_single(mine, whole, options), flat, what);
+  return pending(reduce_scatter_into(*group_, mine, whole, options), flat, what);
 }
 
 std::unique_ptr<PendingCollective> ProcessGroupTransport::all_gather(at::Tensor& flat,
@@ -258,7 +280,7 @@ std::unique_ptr<PendingCollective> ProcessGroupTransport::all_gather(at::Tensor&
       label.empty() ? "all-gather #" + std::to_string(launched_ + 1) : "all-gather of " + label;
   const int64_t shard = whole.numel() / group_->getSize();
   at::Tensor mine = whole.narrow(0, group_->getRank() * shard, shard);
-  return pending(group_->all_gather_single(whole, mine), flat, what);
+  return pending(all_gather_into(*group_, whole, mine), flat, what);
 }
 
 std::string ProcessGroupTransport::name() const {

@@ -232,8 +232,15 @@ def test_widening_copy_whose_narrow_side_starts_half_a_vector_off_still_vectoris
 # -- issue 21 item 1: the watchdog's error names the bucket ----------------------------------------
 
 def _keep_gpu_busy(seconds):
-    """Queue a kernel on the current stream that spins for about `seconds`."""
+    """Queue a kernel on the current stream that spins for about `seconds`.
+
+    Calibrated after a warm-up spin: the first launch loads the kernel (the GPU waits between the
+    events) and an idle GPU runs at a fraction of its clock, and either makes the calibrated spin
+    far shorter than asked: the likely reason why, on the H100 with torch 2.11, a step queued
+    behind a "6 s" spin raised no timeout of 3 s."""
     cycles = 50_000_000
+    torch.cuda._sleep(4 * cycles)
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(cycles)
@@ -256,7 +263,7 @@ def test_nccl_watchdog_timeout_aborts_and_names_the_bucket(nccl_world_of_one):
     model(x).sum().backward()  # a normal step first
     torch.cuda.synchronize()
     started = time.monotonic()
-    _keep_gpu_busy(timeout + 3)  # every bucket of the next step waits behind it
+    _keep_gpu_busy(3 * timeout)  # every bucket of the next step waits behind it
     with pytest.raises(RuntimeError) as failure:
         for _ in range(3):  # the watchdog's error surfaces at the next call into the transport
             model.zero_grad()

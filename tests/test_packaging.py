@@ -52,3 +52,18 @@ def test_import_under_another_torch_fails_before_loading_the_extension(tmp_path)
     assert "ImportError: fused_reducer was compiled against torch 2.0.0+elsewhere" in run.stdout, run.stdout
     assert torch.__version__ in run.stdout, run.stdout
     assert "_C loaded: False" in run.stdout, run.stdout
+
+
+def test_the_extension_shares_torchs_libstdcxx():
+    """A toolchain whose g++ adds -static-libstdc++ (the GPU machines' image) once gave the
+    extension a second C++ runtime, and its first `std::ostringstream << n` crashed inside torch's
+    process: setup.py links the shared one, and the built file must show it."""
+    from fused_reducer import _C
+    dynamic = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    assert "[libstdc++.so" in dynamic, f"{_C.__file__} does not link libstdc++ dynamically"
+    defined = subprocess.run(["nm", "-D", "--defined-only", "-C", _C.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    runtime = [line for line in defined.splitlines() if "std::basic_ostream<char" in line
+               and "::_M_insert<long>" in line]
+    assert not runtime, f"{_C.__file__} carries its own copy of libstdc++: {runtime[:3]}"
