@@ -862,7 +862,7 @@ std::string Reducer::exchange_health(bool joined) {
   if (counts.empty()) counts.assign(params_.size(), 0);
   const at::Tensor detail = allreduce_health(health_.detail_row(counts, ready_order_),
                                              "non-finite gradient report");
-  return health_.nonfinite_message(rows, detail, names_, stats_.step);
+  return health_.nonfinite_message(rows, detail, names_, stats_.step, sharded_layout_);
 }
 
 at::Tensor Reducer::allreduce_health(const at::Tensor& row, const char* what) {

@@ -184,7 +184,7 @@ at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
 std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
                                               const at::Tensor& summed_detail,
                                               const std::vector<std::string>& names,
-                                              int64_t step) const {
+                                              int64_t step, bool sharded) const {
   const double* rows = summed_rows.const_data_ptr<double>();
   const double* detail = summed_detail.const_data_ptr<double>();
   std::ostringstream out;
@@ -208,8 +208,10 @@ std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
     if (params > kNamed) out << " and " << params - kNamed << " more";
   }
   out << ". They were averaged into every rank's gradients, so every rank raises this: "
-         "param.grad holds that average (non-finite where they were). Call "
-         "optimizer.zero_grad() and skip optimizer.step() for this batch: the next step then "
+      << (sharded ? "the ShardedOptimizer's gradient shards hold that average (non-finite where "
+                    "they were; param.grad holds the released-gradient placeholder). "
+                  : "param.grad holds that average (non-finite where they were). ")
+      << "Call optimizer.zero_grad() and skip optimizer.step() for this batch: the next step then "
          "trains as DDP would from the same parameters. To find the cause, look at the named "
          "rank's batch, loss scale and learning rate.";
   return out.str();

@@ -68,9 +68,10 @@ class TrainingHealth {
   static constexpr int64_t kDetail = 1 + 2 * kNamed;
   at::Tensor detail_row(const std::vector<int64_t>& counts, const std::vector<int64_t>& order) const;
   // The error every rank raises, built from the summed rows alone (so it is the same text
-  // on every rank).
+  // on every rank). `sharded`: the averages went to the ShardedOptimizer's shards, not param.grad.
   std::string nonfinite_message(const at::Tensor& summed_rows, const at::Tensor& summed_detail,
-                                const std::vector<std::string>& names, int64_t step) const;
+                                const std::vector<std::string>& names, int64_t step,
+                                bool sharded) const;
 
   StragglerReport report() const { return report_; }
   std::string take_warning();

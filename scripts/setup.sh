@@ -18,10 +18,15 @@ if ! $PY -c "import pybind11, ninja, pytest, hypothesis, numpy, matplotlib, setu
 fi
 # The optional extras the tests and benchmarks use (setup.py: test, lightning, bench, hf); torch==2.14.1
 # in the same command so that no dependency can swap torch (torchvision 0.29.1 pairs with it).
+# transformers and accelerate at the versions the README's "Hugging Face" section names as tested
+# (fused_reducer.transformers/.accelerate check their non-public hook points against them).
 if ! $PY -c "import importlib.metadata as m, sys
-sys.exit(m.version('torchvision') != '0.29.1' or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning', 'transformers', 'accelerate'])))" 2>/dev/null; then
+pins = {'torchvision': '0.29.1', 'transformers': '5.25.0', 'accelerate': '1.16.0'}
+sys.exit(any(m.version(k) != v for k, v in pins.items())
+         or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning'])))" 2>/dev/null; then
   echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers, accelerate"
-  $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 transformers accelerate
+  $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 \
+    transformers==5.25.0 accelerate==1.16.0
 fi
 
 # Rebuild only when a source file changed (the build takes a few minutes).

@@ -36,11 +36,12 @@ def _net():
                          nn.Linear(32, 4))
 
 
-def _batch(rank, step, poison=False):
+def _batch(rank, step, poison=None):
+    """`poison`: a value (NaN, inf) put into one input element."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(8, 16, generator=g)
-    if poison:
-        x[3, 5] = float("nan")
+    if poison is not None:
+        x[3, 5] = poison
     return x, torch.randn(8, 4, generator=g)
 
 
@@ -67,6 +68,7 @@ VARIANTS = {
     "comm_hook": {},
     "no_sync": {},
     "sharded": {},
+    "inf": {},  # an Inf in the input (the others put a NaN there)
 }
 
 
@@ -87,8 +89,9 @@ def check_nonfinite(rank, world):
                 opt = torch.optim.SGD(ours.parameters(), lr=0.1)
             ref = torch.optim.SGD(ddp.parameters(), lr=0.1)
             errors = []
+            value = float("inf") if variant == "inf" else float("nan")
             for step in range(5):
-                poison = step == bad_step and rank == world - 1
+                poison = value if step == bad_step and rank == world - 1 else None
                 x, y = _batch(rank, step, poison)
                 opt.zero_grad()
                 ref.zero_grad()
@@ -114,7 +117,7 @@ def check_nonfinite(rank, world):
                     ref.step()  # DDP's run skips the same step
             if variant == "sharded":
                 opt.finish_param_gather()
-            expected = _local_nonfinite(*_batch(world - 1, bad_step, True))
+            expected = _local_nonfinite(*_batch(world - 1, bad_step, value))
             out[(backend, variant)] = (errors, _max_diff(ours.module.parameters(),
                                                          ddp.module.parameters()), expected)
             ours.close()
@@ -222,6 +225,38 @@ def check_norm_follows_param_grad(rank, world):
                         (replaced, expected_replaced)], sources=sources)
 
 
+def check_complex_clip(rank, world):
+    """A complex model: the norm is that of the magnitudes, real-valued, as torch's
+    clip_grad_norm_ under DDP (model.clip_grad_norm_ and a ShardedOptimizer's)."""
+    out = {}
+    for norm_type in NORM_TYPES:
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            net = nn.Linear(6, 5, dtype=torch.complex64)
+            ref_net = nn.Linear(6, 5, dtype=torch.complex64)
+            ref_net.load_state_dict(net.state_dict())
+            ours, ddp = FusedReducer(net, bucket_cap_mb=2 * KB / 2**20), DDP(ref_net)
+            opt = (ShardedOptimizer(ours, torch.optim.SGD, lr=0.5) if sharded
+                   else torch.optim.SGD(ours.parameters(), lr=0.5))
+            ref = torch.optim.SGD(ddp.parameters(), lr=0.5)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(4, 6, dtype=torch.complex64, generator=g)
+            ours(x).abs().sum().backward()
+            ddp(x).abs().sum().backward()
+            clip = opt.clip_grad_norm_ if sharded else ours.clip_grad_norm_
+            mine = clip(1.0, norm_type)
+            theirs = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0, norm_type)
+            opt.step()
+            ref.step()
+            if sharded:
+                opt.finish_param_gather()
+            out[(norm_type, sharded)] = (float(mine), float(theirs), mine.is_complex(),
+                                         _max_diff(ours.module.parameters(),
+                                                   ddp.module.parameters()))
+            ours.close()
+    return out
+
+
 def check_join(rank, world):
     """Uneven inputs under join() with check_finite and a straggler exchange every 2 steps: the
     joined ranks take part in every exchange (no hang, no mismatched collective), and the
@@ -246,7 +281,7 @@ def check_join(rank, world):
 
 
 CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
-          check_join]
+          check_complex_clip, check_join]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -264,10 +299,18 @@ def test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on
         assert all(m == messages[0] for m in messages), (key, messages)  # the same text
         text = errors[0][1]
         bad = {n: c for n, c in expected.items() if c}
-        assert f"rank {world - 1}: {sum(bad.values())} elements in {len(bad)} parameters" in text, \
-            (key, text, bad)
-        # First named: the first produced in backward (the last layer's bias), with its count.
-        assert f"first '4.bias' ({expected['4.bias']})" in text and "zero_grad()" in text, text
+        plural = "s" if len(bad) > 1 else ""
+        assert f"rank {world - 1}: {sum(bad.values())} elements in {len(bad)} parameter{plural}," \
+            in text, (key, text, bad)
+        # First named: the first produced in backward (reverse registration order here: for a
+        # NaN the last layer's bias; an Inf saturates tanh, so its first are earlier), with its
+        # count.
+        first = next(n for n in reversed(list(expected)) if expected[n])
+        assert f"first '{first}' ({expected[first]})" in text and "zero_grad()" in text, text
+        if key[1] == "sharded":
+            assert "gradient shards hold that average" in text, text
+        else:
+            assert "param.grad holds that average" in text, text
         assert "in step 3 " in text, text  # the third synchronised step
         for other in range(world - 1):
             assert f"rank {other}:" not in text, text
@@ -298,6 +341,16 @@ def test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_un
                 assert abs(mine - theirs) <= 1e-6 * theirs, (key, mine, theirs)
                 if key[1] in (1.0, 2.0, math.inf) and not key[3]:
                     assert source == "copy", (key, source)
+            assert diff <= 1e-6, (key, diff)
+
+
+def test_a_complex_models_norm_is_real_and_clips_like_torch_under_ddp(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_complex_clip"):
+        for key, (mine, theirs, is_complex, diff) in out.items():
+            assert not is_complex, key
+            assert theirs > 1.0, (key, theirs)  # clipping is active
+            assert abs(mine - theirs) <= 1e-6 * theirs, (key, mine, theirs)
             assert diff <= 1e-6, (key, diff)
 
 

@@ -108,6 +108,8 @@ def check_trainer_pair(fused, ddp, trainer_name, find_unused_parameters=True):
     steps = [e["step"] for e in fused[0]["log"] if "loss" in e]
     evals = [e["step"] for e in fused[0]["log"] if "eval_loss" in e]
     assert steps == [1, 2, 3, 4, 5, 6] and evals == [3, 6]
+    # max_grad_norm=0.5 clipped (a norm above it was logged), so the clip path was exercised.
+    assert any(e.get("grad_norm", 0) > 0.5 for e in fused[0]["log"]), fused[0]["log"]
 
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,9 @@ STEPS. Every attempt writes OUTDIR/attempt<a>_rank<r>.json when it starts traini
 step, and at the end with the final parameters: what the test asserts on.
 
 Before init_process_group, attempt 1 removes the keys torch itself left in torchrun's store in
-attempt 0 (see forget_dead_attempts_torch_keys), not FusedReducer's.
+attempt 0 (see forget_dead_attempts_torch_keys), not FusedReducer's; with
+RESTART_WORKER_KEEP_TORCH_KEYS=1 it does not (the set-up a user has: scripts/restart_study.py
+measures both).
 """
 import faulthandler
 import json
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -61,8 +64,11 @@ def main(outdir, mode):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # A hang anywhere (a stale store key, a peer that never arrives) ends this rank with every
-    # thread's stack on stderr, well before the test's own deadline.
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    # thread's stack on stderr and in OUTDIR/hang_attempt<a>_rank<r>.txt, well before the test's
+    # own deadline; an exception's traceback goes to OUTDIR/error_attempt<a>_rank<r>.txt
+    # (scripts/restart_study.py reads both to tell whose failure a failed restart was).
+    hang_file = open(os.path.join(outdir, f"hang_attempt{attempt}_rank{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=hang_file)
     with open(os.path.join(outdir, f"pid_attempt{attempt}_rank{rank}"), "w") as f:
         f.write(str(os.getpid()))  # the test ends a stray worker by this pid
     torch.set_num_threads(1)
@@ -127,6 +133,8 @@ def forget_dead_attempts_torch_keys(attempt, rank):
     clears, then lets the others go on (through an attempt-specific key); returns what it saw."""
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
+    if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1":
+        return {"removed_torch_keys": None}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(seconds=30))
     cleared = f"torchrun_restart_worker/attempt{attempt}/cleared"
@@ -156,4 +164,11 @@ def write_checkpoint(path, model, optimizer, next_step):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    try:
+        main(sys.argv[1], sys.argv[2])
+    except BaseException:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        with open(os.path.join(sys.argv[1], f"error_attempt{attempt}_rank{os.environ['RANK']}.txt"),
+                  "w") as f:
+            f.write(traceback.format_exc())
+        raise

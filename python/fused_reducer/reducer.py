@@ -651,7 +651,8 @@ class FusedReducer(nn.Module, Joinable):
         self._norm_source = "copy" if total is not None else "torch"
         if total is None:
             return torch.nn.utils.get_total_norm(grads, norm_type)
-        return total.to(device=grads[0].device, dtype=grads[0].dtype)
+        # torch's norm has the gradients' real dtype (a complex gradient's norm is real).
+        return total.to(device=grads[0].device, dtype=grads[0].dtype.to_real())
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) with the norm from

@@ -98,6 +98,15 @@ def _compiled_inside(module):
                or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
+def _norm_dtype(grad):
+    """What a shard's p-norm is accumulated in: at least float32 (as before for fp32/bf16/fp16),
+    float64 for float64, and a complex dtype for complex shards, whose norm is that of their
+    magnitudes, as torch's clip_grad_norm_ (a real cast would drop the imaginary part)."""
+    if grad.is_complex():
+        return torch.promote_types(grad.dtype, torch.complex64)
+    return torch.promote_types(grad.dtype, torch.float32)
+
+
 def _dense(tensor):
     """Its elements fill one stretch of memory without gaps or overlaps (any order)."""
     if tensor.numel() <= 1:
@@ -326,8 +335,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)
             total = total[0]
         else:
-            local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-                         for g in grads), torch.tensor(0.0))
+            local = sum((torch.linalg.vector_norm(g.detach(), norm_type, dtype=_norm_dtype(g))
+                         ** norm_type for g in grads), torch.tensor(0.0))
             total = local.reshape(1).to(device)
             dist.all_reduce(total, group=self.model.process_group)
             total = total[0] ** (1.0 / norm_type)

@@ -1,0 +1,210 @@
+"""torchrun restarts, DDP next to FusedReducer (issue 29 item 4): how often does a restarted job
+resume, under which launcher set-up, and when it does not, whose failure is it?
+
+    .venv/bin/python scripts/restart_study.py --runs 5                 # every set-up, both wrappers
+    .venv/bin/python scripts/restart_study.py --runs 3 --setups two-nodes --wrappers fused
+
+One run is tests/torchrun_restart_worker.py (2 CPU ranks, gloo): attempt 0 trains, rank 0
+checkpoints, rank 1 SIGKILLs itself mid-step; torchrun restarts the workers (--max-restarts 1)
+and attempt 1 resumes from the checkpoint to the end. Set-ups:
+  standalone        torchrun --standalone --nproc-per-node 2 (one agent)
+  two-nodes         two torchrun agents on loopback as two nodes (--nnodes 2, c10d rendezvous)
+each run as a user has it ("plain": the restarted workers meet torchrun's store with the dead
+attempt's keys in it) and with the worker removing torch's own keys of the dead attempt before
+init_process_group ("scrubbed", the test suite's set-up; pytorch/pytorch#135712).
+
+Each run gets one verdict:
+  resumed           every launcher exited 0, both ranks of attempt 1 trained to the end
+  upstream          a restart failed inside torch (init_process_group, gloo's connectFullMesh,
+                    the rendezvous) before or outside FusedReducer; the failing line is shown
+  fused_reducer     a restart failed with an error raised by FusedReducer's code
+  hang / other      no launcher exit within --run-timeout-s / anything else (logs kept)
+Prints a line per run and a table per (set-up, scrub, wrapper); exits 1 if any FusedReducer run
+failed where the same set-up's DDP runs all resumed, or with a 'fused_reducer' verdict.
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "torchrun_restart_worker.py")
+SETUPS = ("standalone", "two-nodes")
+WRAPPERS = ("ddp", "fused")
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT")
+# Where a failing run's traceback ends decides whose failure it is.
+UPSTREAM_MARKERS = ("connectFullMesh", "init_process_group", "rendezvous", "RendezvousError",
+                    "ProcessGroupGloo", "TCPStore")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment(scrub):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TORCHELASTIC_") and k not in LAUNCHER_VARIABLES}
+    import fused_reducer
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(fused_reducer.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root, os.path.dirname(WORKER)]
+                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                           if p])
+    env["OMP_NUM_THREADS"] = "1"
+    env["RESTART_WORKER_KEEP_TORCH_KEYS"] = "0" if scrub else "1"
+    return env
+
+
+def commands(setup, wrapper, outdir):
+    common = ["--max-restarts", "1", "--monitor-interval", "0.5", WORKER, outdir, wrapper]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if setup == "standalone":
+        return [torchrun + ["--standalone", "--nproc-per-node", "2"] + common]
+    port = free_port()
+    return [torchrun + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart{port}"]
+            + common for _ in range(2)]
+
+
+def end_stray_workers(outdir):
+    """Workers run in sessions of their own: end any still running, by the pids they wrote."""
+    for path in glob.glob(os.path.join(outdir, "pid_*")):
+        try:
+            pid = int(open(path).read())
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if WORKER in cmdline and outdir in cmdline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def run_once(setup, wrapper, scrub, outdir, run_timeout_s):
+    """(verdict, detail, seconds)."""
+    started = time.monotonic()
+    procs = []
+    for i, cmd in enumerate(commands(setup, wrapper, outdir)):
+        log = open(os.path.join(outdir, f"agent{i}.log"), "w")
+        procs.append(subprocess.Popen(cmd, env=environment(scrub), cwd=outdir, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    hung = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, started + run_timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    end_stray_workers(outdir)
+    elapsed = time.monotonic() - started
+    output = "".join(open(p, errors="replace").read()
+                     for p in sorted(glob.glob(os.path.join(outdir, "agent*.log"))))
+    reports = {}
+    for path in glob.glob(os.path.join(outdir, "attempt*_rank*.json")):
+        with open(path) as f:
+            reports[os.path.basename(path)] = json.load(f)
+    resumed = all(reports.get(f"attempt1_rank{r}.json", {}).get("final") for r in range(2))
+    if hung:
+        return "hang", "no launcher exit within the run timeout", elapsed
+    if all(p.returncode == 0 for p in procs) and resumed:
+        return "resumed", "", elapsed
+    return classify(outdir, output) + (elapsed,)
+
+
+def classify(outdir, output):
+    """(verdict, what decided it) for a failed run, from what the restarted workers wrote (their
+    tracebacks, or their stacks when the worker's watchdog ended a hang), else the agents' log."""
+    evidence = []
+    for kind in ("error", "hang"):
+        for path in sorted(glob.glob(os.path.join(outdir, f"{kind}_attempt[1-9]*_rank*.txt"))):
+            text = open(path, errors="replace").read().strip()
+            if text:
+                evidence.append((kind, os.path.basename(path), text))
+    for kind, name, text in evidence:
+        frames = re.findall(r'File "([^"]+)", line \d+,? in (\S+)', text)
+        last_line = text.splitlines()[-1].strip()
+        if any("/fused_reducer/" in path for path, _ in frames):
+            return "fused_reducer", f"{name}: {last_line}"[:200]
+    for kind, name, text in evidence:
+        frames = re.findall(r'File "([^"]+)", line \d+,? in (\S+)', text)
+        torch_frames = [(os.path.basename(p), f) for p, f in frames if "/torch/" in p]
+        if torch_frames:
+            if kind == "hang":  # faulthandler: innermost frame first
+                where = "hung in {1} ({0})".format(*torch_frames[0])
+            else:
+                where = text.splitlines()[-1].strip()
+            return "upstream", f"{name}: {where}"[:200]
+    for marker in UPSTREAM_MARKERS:
+        for line in output.splitlines():
+            if marker in line and re.search(r"(Error|error|failed)", line):
+                return "upstream", line.strip()[:200]
+    errors = [l.strip() for l in output.splitlines() if re.search(r"(Error|Exception|failed)", l)]
+    return "other", (errors[-1] if errors else "no error line")[:200]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5, help="runs per (set-up, scrub, wrapper)")
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--wrappers", default=",".join(WRAPPERS))
+    ap.add_argument("--scrub", default="plain,scrubbed", help="plain, scrubbed or both")
+    ap.add_argument("--run-timeout-s", type=float, default=150.0)
+    ap.add_argument("--keep", default=None, help="keep each run's logs under this directory")
+    ap.add_argument("--json", default=None, help="write every run's verdict here")
+    args = ap.parse_args()
+    cells = [(setup, scrub == "scrubbed", wrapper)
+             for setup in args.setups.split(",") for scrub in args.scrub.split(",")
+             for wrapper in args.wrappers.split(",")]
+    results = collections.defaultdict(list)
+    rows = []
+    started = time.monotonic()
+    for round_ in range(args.runs):  # interleaved, so a slow phase of the machine hits all cells
+        for setup, scrub, wrapper in cells:
+            outdir = tempfile.mkdtemp(prefix="restart_study_")
+            verdict, detail, seconds = run_once(setup, wrapper, scrub, outdir, args.run_timeout_s)
+            name = f"{setup} {'scrubbed' if scrub else 'plain'} {wrapper}"
+            print(f"[{time.monotonic() - started:7.1f}s] {name:28s} run {round_ + 1}: {verdict:14s}"
+                  f" {seconds:5.1f}s {detail}", flush=True)
+            results[setup, scrub, wrapper].append(verdict)
+            rows.append(dict(setup=setup, scrubbed=scrub, wrapper=wrapper, run=round_ + 1,
+                             verdict=verdict, detail=detail, seconds=round(seconds, 1)))
+            if args.keep:
+                shutil.copytree(outdir, os.path.join(args.keep, f"{name.replace(' ', '_')}_"
+                                                                f"{round_ + 1}"))
+            shutil.rmtree(outdir, ignore_errors=True)
+    print(f"\n# {len(rows)} runs in {time.monotonic() - started:.0f} s")
+    print(f"# {'set-up':12s} {'store':9s} {'wrapper':8s} {'resumed':>8s}  other verdicts")
+    bad = False
+    for (setup, scrub, wrapper), verdicts in results.items():
+        counts = collections.Counter(verdicts)
+        others = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()) if v != "resumed")
+        print(f"  {setup:12s} {'scrubbed' if scrub else 'plain':9s} {wrapper:8s} "
+              f"{counts['resumed']:>3d} of {len(verdicts):<3d} {others}")
+        ddp = results.get((setup, scrub, "ddp"), [])
+        if wrapper == "fused" and ("fused_reducer" in counts or (
+                ddp and all(v == "resumed" for v in ddp) and counts["resumed"] < len(verdicts))):
+            bad = True
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
