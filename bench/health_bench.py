@@ -13,10 +13,12 @@ Per model of the step bench's set (bench/models.py), on the same inputs, interle
   clip_torch step + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
   clip_ours  step + model.clip_grad_norm_(1.0) (the norm from the unpack's statistics)
 The step is forward + backward + SGD step (+ clip). Reported: median step time and IQR per row,
-the ratios on/off and clip_ours/clip_torch (medians), and the difference of the two norms.
+the ratios on/off and clip_ours/clip_torch (medians), the difference of the two norms, and each
+norm against float64 over the same gradients (one more, untimed step).
 --json FILE writes {meta, rows}; exit status 0.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -46,7 +48,9 @@ def worker(ctx, args):
             wrapped[row] = (model, torch.optim.SGD(model.parameters(), lr=1e-4))
         times = {row: [] for row in ROWS}
         norm_diff = 0.0
-        for index in range(args.warmup + args.steps):
+        exact = {}  # the last, untimed step: both norms against float64 over the same gradients
+        for index in range(args.warmup + args.steps + 1):
+            timed = args.warmup <= index < args.warmup + args.steps
             x = spec.input(ctx.rank, index, ctx.device)
             for row in ROWS:
                 model, opt = wrapped[row]
@@ -54,15 +58,20 @@ def worker(ctx, args):
                 start = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 _loss(model(x)).backward()
+                if not timed and row.startswith("clip"):
+                    exact[row] = math.sqrt(sum(float(p.grad.double().square().sum())
+                                               for p in model.parameters() if p.grad is not None))
                 if row == "clip_torch":
                     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 elif row == "clip_ours":
                     ours = model.clip_grad_norm_(1.0)
                 opt.step()
                 ctx.sync()
-                if index >= args.warmup:
+                if timed:
                     times[row].append((time.perf_counter() - start) * 1e3)
             norm_diff = max(norm_diff, abs(float(ours) - float(theirs)) / float(theirs))
+        ours_vs_f64 = abs(float(ours) - exact["clip_ours"]) / exact["clip_ours"]
+        torch_vs_f64 = abs(float(theirs) - exact["clip_torch"]) / exact["clip_torch"]
         row = {"model": name}
         for r in ROWS:
             row[r] = {"median_ms": common.median(times[r]),
@@ -71,13 +80,16 @@ def worker(ctx, args):
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
         row["clip_ours_over_torch"] = row["clip_ours"]["median_ms"] / row["clip_torch"]["median_ms"]
         row["norm_rel_diff"] = norm_diff
+        row["norm_ours_vs_float64"] = ours_vs_f64
+        row["norm_torch_vs_float64"] = torch_vs_f64
         row["norm_source"] = wrapped["clip_ours"][0]._norm_source
         results.append(row)
         common.print0(ctx, f"{name:10s} " + "  ".join(
             f"{r} {row[r]['median_ms']:.1f} ms [{row[r]['p25_ms']:.1f}, {row[r]['p75_ms']:.1f}]"
             for r in ROWS) + f"  on/off {row['on_over_off']:.3f}  clip ours/torch "
             f"{row['clip_ours_over_torch']:.3f}  norm rel diff {norm_diff:.1e} "
-            f"(from {row['norm_source']})")
+            f"(from {row['norm_source']}); against float64: ours {ours_vs_f64:.1e}, torch "
+            f"{torch_vs_f64:.1e}")
         for model, _ in wrapped.values():
             model.close()
     meta = common.collect_meta(ctx)  # collective

@@ -37,13 +37,17 @@ WORKER = os.path.join(HERE, "lifecycle_worker.py")
 sys.path.insert(0, HERE)
 from lifecycle_worker import ENDINGS  # noqa: E402
 
-ALL_ENDINGS = sorted(ENDINGS) + ["two-nodes"]
+TWO_NODE_ENDINGS = {"two-nodes": "plain-exit", "two-nodes-agent-sigterm": "agent-sigterm"}
+ALL_ENDINGS = sorted(e for e in ENDINGS if e != "agent-sigterm") + sorted(TWO_NODE_ENDINGS)
 BACKENDS = ("shm", "process_group")
 CRASH_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault",
                  "AddressSanitizer", "ThreadSanitizer", "double free", "corrupted")
 # The victim's exit code per injected action (sigint: Python re-raises SIGINT at exit).
 VICTIM_CODES = {"raise": {1}, "exit": {0}, "sigterm": {-signal.SIGTERM},
-                "sigint": {-signal.SIGINT, 130, 1}, "sigint-all": {-signal.SIGINT, 130, 1}}
+                "sigint": {-signal.SIGINT, 130, 1}, "sigint-all": {-signal.SIGINT, 130, 1},
+                # An agent's exit code: torchrun ends with an error once SIGTERMed, or once its
+                # worker failed (the peer's agent).
+                "agent-sigterm": None}
 PEER_SLACK_S = 15.0
 # Launcher variables of an outer torchrun must not reach the ranks we launch.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -124,8 +128,9 @@ def launch_ranks(ending, backend, world, outdir, timeout_s, run_timeout_s):
     return {name: proc.returncode for name, proc in procs}, hung
 
 
-def launch_two_nodes(backend, outdir, timeout_s, run_timeout_s):
-    """Two torchrun agents on loopback as two nodes, one rank each, c10d rendezvous."""
+def launch_two_nodes(ending, backend, outdir, timeout_s, run_timeout_s):
+    """Two torchrun agents on loopback as two nodes, one rank each, c10d rendezvous, running the
+    worker's ending TWO_NODE_ENDINGS[ending]."""
     port = free_port()
     procs = []
     for node in range(2):
@@ -133,7 +138,7 @@ def launch_two_nodes(backend, outdir, timeout_s, run_timeout_s):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"life{port}",
-               "--monitor-interval", "0.5", WORKER, "--ending", "plain-exit",
+               "--monitor-interval", "0.5", WORKER, "--ending", TWO_NODE_ENDINGS[ending],
                "--backend", backend, "--outdir", outdir, "--timeout-s", str(timeout_s)]
         procs.append((f"agent {node}", subprocess.Popen(cmd, env=base_env(), stdout=log,
                                                         stderr=log, start_new_session=True)))
@@ -153,22 +158,26 @@ def verdict(ending, world, outdir, codes, hung, timeout_s):
     ranks = {r: read_json(os.path.join(outdir, f"rank{r}.json")) for r in range(world)}
     problems += [f"leftover segment /dev/shm/{s}"
                  for s in segments_of([d.get("pid") for d in ranks.values() if d.get("pid")])]
-    action = None if ending == "two-nodes" else ENDINGS[ending][0]
+    action = ENDINGS[TWO_NODE_ENDINGS.get(ending, ending)][0]
     if action is None:
         problems += [f"{name} exited {code}" for name, code in codes.items() if code != 0]
         problems += [f"rank {r} did not finish training" for r, d in ranks.items()
                      if not d.get("trained")]
         return problems
     victims = set(range(world)) if action == "sigint-all" else {world - 1}
+    by_agent = ending in TWO_NODE_ENDINGS  # exit codes are the agents'; both end with an error
+    if by_agent:
+        problems += [f"{name} exited 0 after the injected failure" for name, code in codes.items()
+                     if code == 0]
     for r in range(world):
         code = codes.get(f"rank {r}")
         if r in victims:
-            if code not in VICTIM_CODES[action] and f"rank {r}" not in hung:
+            if not by_agent and code not in VICTIM_CODES[action] and f"rank {r}" not in hung:
                 problems.append(f"rank {r} (victim, {action}) exited {code}")
             continue
         raised = ranks[r].get("raised") or ""
         after = ranks[r].get("raised_after_s")
-        if code != 1 and f"rank {r}" not in hung:
+        if not by_agent and code != 1 and f"rank {r}" not in hung:
             problems.append(f"rank {r} (peer) exited {code}, expected 1")
         if not raised:
             problems.append(f"rank {r} (peer) did not raise")
@@ -193,6 +202,9 @@ def main():
     ap.add_argument("--timeout-s", type=float, default=30.0, help="FusedReducer's timeout")
     ap.add_argument("--run-timeout-s", type=float, default=120.0)
     ap.add_argument("--load", type=int, default=0, help="busy loops beside the runs")
+    ap.add_argument("--alternate-backends", action="store_true",
+                    help="each ending on one backend per round, alternating (CI's subset: every "
+                         "ending once, both backends in turn)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting runs after this many seconds (CI's bounded subset)")
     ap.add_argument("--keep", default=None, help="keep each run's logs under this directory")
@@ -207,13 +219,17 @@ def main():
     began = time.monotonic()
     runs, bad = 0, []
     try:
-        for round_, ending, backend in itertools.product(range(args.rounds), endings, backends):
+        plan = list(itertools.product(range(args.rounds), endings, backends))
+        if args.alternate_backends:
+            plan = [(r, e, backends[(r + i) % len(backends)])
+                    for r in range(args.rounds) for i, e in enumerate(endings)]
+        for round_, ending, backend in plan:
             if args.budget_s is not None and time.monotonic() - began > args.budget_s:
                 break
             outdir = tempfile.mkdtemp(prefix="fr_life_")
             t0 = time.monotonic()
-            if ending == "two-nodes":
-                codes, hung = launch_two_nodes(backend, outdir, args.timeout_s,
+            if ending in TWO_NODE_ENDINGS:
+                codes, hung = launch_two_nodes(ending, backend, outdir, args.timeout_s,
                                                args.run_timeout_s)
                 world = 2
             else:

@@ -37,6 +37,14 @@ ENDINGS = {
     "sigint-one-rank": ("sigint", None),      # KeyboardInterrupt on one rank in backward
     "sigint-all-ranks": ("sigint-all", None),  # Ctrl-C: KeyboardInterrupt on every rank
     "sharded-gather-in-flight": (None, "destroy"),  # ShardedOptimizer(overlap_param_gather=True)
+    # The same failures with a ShardedOptimizer(overlap_param_gather=True): reduce-scatters in
+    # flight in backward, all-gathers in flight from the step before.
+    "sharded-raise-mid-step": ("raise", None),
+    "sharded-sigterm-mid-backward": ("sigterm", None),
+    "sharded-sigint-one-rank": ("sigint", None),
+    # Launched by two torchrun agents as two nodes (lifecycle_stress.py): the victim's agent gets
+    # SIGTERM mid-backward (a scheduler ending the job) and forwards it to its worker.
+    "agent-sigterm": ("agent-sigterm", None),
 }
 
 
@@ -73,6 +81,9 @@ def inject(what, victim):
             time.sleep(30)
         if what in ("sigint", "sigint-all"):
             raise KeyboardInterrupt
+        if what == "agent-sigterm":
+            os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent: it stops its workers
+            time.sleep(30)
         return grad
     return hook if victim else None
 
@@ -96,7 +107,7 @@ def main():
 
     model = fused_reducer.FusedReducer(make_model(), backend=args.backend, bucket_cap_mb=0.25,
                                        timeout=args.timeout_s)
-    if args.ending == "sharded-gather-in-flight":
+    if args.ending.startswith("sharded-"):
         opt = fused_reducer.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3,
                                              overlap_param_gather=True)
     else:

@@ -133,14 +133,16 @@ def run_accelerate(args, rank):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norms, steps = [], [], 0
+    losses, norms, steps, logits_dtypes = [], [], 0, set()
     if args.resume:
         accelerator.load_state(args.resume)
         steps = SAVE_EVERY
         loader = accelerator.skip_first_batches(loader, SAVE_EVERY * ACCUMULATE)
     for batch in loader:
         with accelerator.accumulate(model):
-            loss = model(**batch).loss
+            output = model(**batch)
+            logits_dtypes.add(str(output.logits.dtype))  # bf16 under accelerate's CPU autocast
+            loss = output.loss
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item())
@@ -156,7 +158,7 @@ def run_accelerate(args, rank):
     unwrapped = accelerator.unwrap_model(model)
     return {
         "params": {k: v.detach().clone() for k, v in accelerator.get_state_dict(model).items()},
-        "losses": losses, "norms": norms,
+        "losses": losses, "norms": norms, "logits_dtypes": sorted(logits_dtypes),
         "wrapped": type(model).__name__, "unwrapped": type(unwrapped).__name__,
         "distributed_type": str(accelerator.distributed_type),
     }

@@ -121,39 +121,27 @@ def main(outdir, mode):
 
 
 def forget_dead_attempts_torch_keys(attempt, rank):
-    """Make torch's own restart work: remove the keys that torch itself (init_process_group,
-    gloo's connectFullMesh) left in torchrun's store in the dead attempt, and nothing else.
-
-    torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True, the default of the c10d
-    rendezvous) outlives the workers it restarts, and torch does not separate one attempt's keys
-    from the next (pytorch/pytorch#135712): gloo then reads the dead attempt's address of its
-    peer and fails with "connectFullMesh failed ... Connection refused" in some restarts, plain
-    DDP included. FusedReducer's keys ('/fused_reducer/' in the name) are left as they are: the
-    store stays, for FusedReducer, exactly the one a restarted attempt really meets. Rank 0
-    clears, then lets the others go on (through an attempt-specific key); returns what it saw."""
+    """Make torch's own restart work with fused_reducer.elastic.forget_dead_attempt_keys() (the
+    keys torch's default group left in torchrun's store in the dead attempt; pytorch#135712),
+    unless RESTART_WORKER_KEEP_TORCH_KEYS=1. FusedReducer's keys ('/fused_reducer/' in the name)
+    are left as they are: the store stays, for FusedReducer, exactly the one a restarted attempt
+    really meets; rank 0 lists them first, as the test's evidence that they were there."""
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1":
-        return {"removed_torch_keys": None}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=30))
-    cleared = f"torchrun_restart_worker/attempt{attempt}/cleared"
+    state = {}
     if rank == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=30))
         try:
             keys = store.list_keys()
         except (AttributeError, RuntimeError) as e:  # an older torch: nothing to go by
             keys = []
             print(f"torchrun_restart_worker: cannot list the store's keys: {e}", file=sys.stderr)
-        ours = sorted(k for k in keys if "/fused_reducer/" in k)
-        torchs = sorted(k for k in keys if k.startswith("default_pg/") and k not in ours)
-        for key in torchs:
-            store.delete_key(key)
-        state = {"stale_fused_reducer_keys": ours, "removed_torch_keys": torchs}
-        store.set(cleared, json.dumps(state))
-    else:
-        store.wait([cleared])
-        state = json.loads(store.get(cleared))
-    return state
+        state["stale_fused_reducer_keys"] = sorted(k for k in keys if "/fused_reducer/" in k)
+    if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1":
+        return {**state, "removed_torch_keys": None}
+    from fused_reducer.elastic import forget_dead_attempt_keys
+    return {**state, "removed_torch_keys": forget_dead_attempt_keys()["removed"]}
 
 
 def write_checkpoint(path, model, optimizer, next_step):

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _C
 from .comm_hooks import GradBucket, check_hook, run_hook
+from .elastic import restart_failure
 from .errors import FusedReducerError, ShardedGradientError, raise_nonfinite
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
@@ -185,7 +186,16 @@ class FusedReducer(nn.Module, Joinable):
             check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
         self._control_device = _control_device(nccl_group, self.device)
         # Kept with init_sync=False too (DDP skips it): ranks must agree on the bucket layout.
-        _verify_same_model(self.process_group, self._param_names, params, self._control_device)
+        try:
+            _verify_same_model(self.process_group, self._param_names, params,
+                               self._control_device)
+        except FusedReducerError:
+            raise
+        except RuntimeError as e:  # the group's first collective: say whose failure it is
+            message = restart_failure(e)
+            if message is None:
+                raise
+            raise RuntimeError(message) from e
         if getattr(self, "init_sync", True):
             # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
             # (rank-local buffers stay rank-local); forward_sync_buffers does not.
