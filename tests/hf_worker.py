@@ -134,15 +134,17 @@ def run_accelerate(args, rank):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses, norms, steps, logits_dtypes = [], [], 0, set()
+    # The head's own output (transformers then upcasts the logits to float32): bf16 when
+    # accelerate's CPU autocast reached the wrapped model's forward.
+    head = accelerator.unwrap_model(model).lm_head
+    head.register_forward_hook(lambda module, inputs, out: logits_dtypes.add(str(out.dtype)))
     if args.resume:
         accelerator.load_state(args.resume)
         steps = SAVE_EVERY
         loader = accelerator.skip_first_batches(loader, SAVE_EVERY * ACCUMULATE)
     for batch in loader:
         with accelerator.accumulate(model):
-            output = model(**batch)
-            logits_dtypes.add(str(output.logits.dtype))  # bf16 under accelerate's CPU autocast
-            loss = output.loss
+            loss = model(**batch).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item())

@@ -195,7 +195,7 @@ def test_accelerate_custom_loop_on_fused_reducer_equals_ddp_bit_for_bit(runs):
     fused = runs.get("accelerate_fused", "accelerate", "--wrapper", "fused")
     check_accelerate_pair(fused, ddp, "FusedReducer")
     assert min(fused[0]["norms"]) > 0.5  # max_norm 0.5: every step was clipped
-    # mixed_precision="bf16" reached the wrapped model: its forward ran under bf16 autocast.
+    # mixed_precision="bf16" reached the wrapped model: its head ran under bf16 autocast.
     assert fused[0]["logits_dtypes"] == ddp[0]["logits_dtypes"] == ["torch.bfloat16"], (
         fused[0]["logits_dtypes"], ddp[0]["logits_dtypes"])
 

@@ -656,17 +656,20 @@ def check_restart_attempt_keys(rank, world):
     0's, so an exchange of the new attempt (its own round 0 again) reads the new values, not the
     dead attempt's; so does the shared-memory rendezvous."""
     saved_rounds = dict(transport_module._exchange_rounds)
+    saved_tokens = dict(transport_module._attempt_tokens)
     saved_env = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     try:
         # Attempts 10 and 11: keys no earlier check of these ranks used (rounds restart at 0).
         os.environ["TORCHELASTIC_RESTART_COUNT"] = "10"
         transport_module._exchange_rounds.clear()
+        transport_module._attempt_tokens.clear()
         first = transport_module.exchange(dist.group.WORLD, "restart-probe", f"attempt0-{rank}")
         shm0, _ = transport_module.shm_transport(dist.group.WORLD, 30.0)
         shm0.close(1.0)  # rank 0's segment is gone: reading its name again would fail to attach
         dist.barrier()
         os.environ["TORCHELASTIC_RESTART_COUNT"] = "11"
-        transport_module._exchange_rounds.clear()  # a new process: rounds start again
+        transport_module._exchange_rounds.clear()  # a new process: rounds start again,
+        transport_module._attempt_tokens.clear()  # and it has no token yet
         second = transport_module.exchange(dist.group.WORLD, "restart-probe", f"attempt1-{rank}")
         shm1, why_not = transport_module.shm_transport(dist.group.WORLD, 30.0)
         if shm1 is not None:
@@ -674,10 +677,19 @@ def check_restart_attempt_keys(rank, world):
             shm1.allreduce_sum(flat).wait(10.0)
             shm1.close(1.0)
             why_not = flat.tolist() == [float(world)] * 10
-        return first, second, why_not
+        dist.barrier()
+        # Two torchrun agents can disagree on the count (one restarted for the other's failure
+        # keeps its count): the ranks still agree on one namespace, through the group.
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(20 + rank)
+        transport_module._exchange_rounds.clear()
+        transport_module._attempt_tokens.clear()
+        split = transport_module.exchange(dist.group.WORLD, "restart-probe", f"split-{rank}", 30.0)
+        return first, second, why_not, split
     finally:
         transport_module._exchange_rounds.clear()
         transport_module._exchange_rounds.update(saved_rounds)
+        transport_module._attempt_tokens.clear()
+        transport_module._attempt_tokens.update(saved_tokens)
         if saved_env is None:
             os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
         else:
@@ -687,10 +699,11 @@ def check_restart_attempt_keys(rank, world):
 @uses(check_restart_attempt_keys)
 def test_store_keys_of_a_restarted_attempt_do_not_collide_with_the_last_ones(outcomes):
     world = len(outcomes)
-    for first, second, shm in results(outcomes, check_restart_attempt_keys):
+    for first, second, shm, split in results(outcomes, check_restart_attempt_keys):
         assert first == [f"attempt0-{r}" for r in range(world)]
         assert second == [f"attempt1-{r}" for r in range(world)], second
         assert shm is True, shm
+        assert split == [f"split-{r}" for r in range(world)], split
 
 
 # -- /dev/shm sizing and dead segments (one process) -------------------------------------------

@@ -74,6 +74,11 @@ def main(outdir, mode):
     torch.set_num_threads(1)
     store_state = forget_dead_attempts_torch_keys(attempt, rank)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    # The attempt, agreed: on two nodes an agent that restarts for the other node's failure keeps
+    # its restart count (a membership change), so the counts can differ across ranks.
+    agreed = torch.tensor([attempt])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    attempt = int(agreed)
     checkpoint = os.path.join(outdir, "checkpoint.pt")
     model = make_model()
     optimizer = make_optimizer(model.parameters())
@@ -138,7 +143,8 @@ def forget_dead_attempts_torch_keys(attempt, rank):
             keys = []
             print(f"torchrun_restart_worker: cannot list the store's keys: {e}", file=sys.stderr)
         state["stale_fused_reducer_keys"] = sorted(k for k in keys if "/fused_reducer/" in k)
-    if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1":
+    if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1" or \
+            int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # one agent only (its docstring)
         return {**state, "removed_torch_keys": None}
     from fused_reducer.elastic import forget_dead_attempt_keys
     return {**state, "removed_torch_keys": forget_dead_attempt_keys()["removed"]}

@@ -13,6 +13,10 @@ restart count and need nothing (python/fused_reducer/transport.py).
     fused_reducer.elastic.forget_dead_attempt_keys()   # on every rank, before init_process_group
     dist.init_process_group("gloo")
 
+One torchrun agent (one node) only: with several, an agent that restarts for another node's
+failure keeps its restart count, so the ranks cannot tell the dead attempt's keys apart through
+it (it raises there).
+
 It removes the keys of torch's default process group ("default_pg/...") that a dead attempt left,
 on rank 0, while the other ranks wait for it; nothing outside torchrun, in the first attempt, or
 with a store per attempt. It relies on a torch detail (the key prefix of the default group and
@@ -40,6 +44,12 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
         raise RuntimeError(
             "fused_reducer.elastic.forget_dead_attempt_keys() must run before "
             "dist.init_process_group(): afterwards it would remove this attempt's own keys")
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            "fused_reducer.elastic.forget_dead_attempt_keys() works for one torchrun agent (one "
+            "node, e.g. --standalone) only: with several agents, an agent that restarts for "
+            "another node's failure keeps its restart count (TORCHELASTIC_RESTART_COUNT), so the "
+            "ranks cannot agree through it which keys are the dead attempt's")
     rank = int(os.environ["RANK"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
@@ -77,6 +87,9 @@ def restart_failure(error):
     if _forgotten_in_attempt == attempt:
         advice = ("forget_dead_attempt_keys() had removed the dead attempt's keys, so look at the "
                   "other ranks' logs for why a peer did not join")
+    elif int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        advice = ("restart the job (on several nodes no key can be told apart safely: an agent "
+                  "restarting for another node's failure keeps its restart count)")
     else:
         advice = ("call fused_reducer.elastic.forget_dead_attempt_keys() on every rank before "
                   "dist.init_process_group() (it removes those keys; measured in "

@@ -337,21 +337,68 @@ def exchange(group, topic, text, timeout_s=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = dist.distributed_c10d._get_process_group_name(group) if hasattr(
         dist.distributed_c10d, "_get_process_group_name") else str(id(group))
+    token = attempt_token(group, key, store, topic, timeout_s)
     round_ = _exchange_rounds.get((key, topic), 0)
     _exchange_rounds[(key, topic)] = round_ + 1
-    prefix = f"fused_reducer/{restart_attempt()}/{topic}/{key}/{round_}/"
+    prefix = f"fused_reducer/{token}/{topic}/{key}/{round_}/"
     store.set(prefix + str(rank), text)
     keys = [prefix + str(r) for r in range(world)]
     if timeout_s is not None:
         try:
             store.wait(keys, timedelta(seconds=min(timeout_s, MAX_TIMEOUT_S)))
         except Exception as e:  # noqa: BLE001 - the store's timeout, or a store gone with its host
-            missing = [r for r, key in enumerate(keys) if not _stored(store, key)]
-            raise RuntimeError(
-                f"FusedReducer: rank(s) {missing or '?'} of the group did not reach the "
-                f"{topic!r} exchange within {timeout_s:.0f} s (timeout=): a peer may have died, "
-                f"or not every rank constructs FusedReducer ({type(e).__name__}: {e})") from None
+            raise _absent(store, keys, topic, timeout_s, e) from None
     return [store.get(key).decode() for key in keys]
+
+
+def _absent(store, keys, topic, timeout_s, error):
+    """The error naming the ranks whose key in `keys` is missing after a timeout."""
+    missing = [r for r, key in enumerate(keys) if not _stored(store, key)]
+    return RuntimeError(
+        f"FusedReducer: rank(s) {missing or '?'} of the group did not reach the {topic!r} "
+        f"exchange within {timeout_s:.0f} s (timeout=): a peer may have died, or not every rank "
+        f"constructs FusedReducer ({type(error).__name__}: {error})")
+
+
+_attempt_tokens = {}  # per group: this attempt's namespace in the store, agreed by its ranks
+
+
+def attempt_token(group, key, store, topic, timeout_s):
+    """The namespace of this attempt's keys in the group's store. torchrun's store outlives the
+    workers it restarts, so an attempt's keys must differ from a dead attempt's (whose values
+    would be read as this one's: a segment name of a dead attempt made backend='auto' fall back,
+    or a rank wait forever). torchrun's restart count alone is not enough: it is each agent's
+    own, and an agent that restarts for another node's failure (a membership change) keeps its
+    count, so two nodes can disagree (seen with two agents: scripts/restart_study.py). So rank 0
+    draws a token and the group sums it in, once per group and process, where the group
+    moves CPU tensors (gloo; within `timeout_s`, naming an absent rank like the exchange); a
+    group of NCCL alone (whose first collective would create the communicator that
+    check_one_rank_per_gpu must come before) keeps the restart count."""
+    token = _attempt_tokens.get(key)
+    if token is not None:
+        return token
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if "gloo" not in str(dist.get_backend(group)):
+        _attempt_tokens[key] = restart
+        return restart
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    present = [f"fused_reducer/{restart}/present/{key}/{r}" for r in range(world)]
+    store.set(present[rank], str(os.getpid()))  # only to name an absent rank
+    drawn = torch.tensor([int.from_bytes(os.urandom(7), "little") if rank == 0 else 0
+                          for _ in range(2)], dtype=torch.int64)
+    # A sum (rank 0's draw, zeros elsewhere) rather than a broadcast: it completes on no rank
+    # unless every rank took part, so an absent rank is named alike by all the others.
+    work = dist.all_reduce(drawn, group=group, async_op=True)
+    try:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=min(timeout_s, MAX_TIMEOUT_S)))
+    except Exception as e:  # noqa: BLE001 - gloo's timeout, or a peer gone
+        raise _absent(store, present, topic, timeout_s or 0, e) from None
+    token = f"{int(drawn[0]):x}{int(drawn[1]):x}"  # rank 0's draw: the same on every rank
+    _attempt_tokens[key] = token
+    return token
 
 
 def _stored(store, key):
@@ -359,13 +406,6 @@ def _stored(store, key):
         return store.check([key])
     except Exception:  # noqa: BLE001 - the store itself is gone: nothing can be known
         return True
-
-
-def restart_attempt():
-    """torchrun's restart count: its store outlives the workers it restarts, so an attempt's keys
-    must differ from the last attempt's (whose values would be read as this one's; a segment
-    name of a dead attempt made backend='auto' fall back, or a rank wait forever)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def _group_store(group):
