@@ -32,7 +32,14 @@
 //  - a forked child (a DataLoader worker): (1) and (4) do not exist there and the parent's
 //    locks may be held, so every entry point checks the pid; the child abandons (1), (3) and
 //    (4) without touching them (destroying a joinable std::thread aborts), never maps (2), and
-//    its collectives raise. See Note [Shared-memory transport in a forked child].
+//    its collectives raise. See Note [Shared-memory transport in a forked child]. (5) is a torch
+//    tensor in the child's copy of memory, freed (host memory only) with its reducer; (6): the
+//    child has none of the parent's process-group threads, and its copies of the works are
+//    parked, never released; (7) are removed with the child's reducer, touching only its copy.
+//  - a torchrun restart: the new attempt's processes find the dead attempt's keys in torchrun's
+//    store; FusedReducer's keys live in a namespace the new group agrees on (transport.py,
+//    attempt_token), and torch's own keys can be removed before init_process_group
+//    (fused_reducer/elastic.py; scripts/restart_study.py measures restarts with DDP beside).
 //  - an exception raised in training (a bad batch, a KeyboardInterrupt in backward): it
 //    propagates to the user; the collectives already launched stay with the reducer and are
 //    waited for (bounded) by close(), usually the exit handler's. The peers, waiting for this

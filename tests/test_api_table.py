@@ -264,6 +264,13 @@ COVERAGE = {
     "a peer process dead over gloo": [
         "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
     ],
+    "a torchrun restart (`--max-restarts`)": [
+        "test_torchrun_restart.py::test_fused_reducer_resumes_on_shared_memory_after_a_torchrun_restart",
+        "test_torchrun_restart.py::test_ddp_restarts_under_the_same_launcher_set_up",
+        "test_shm_transport.py::test_store_keys_of_a_restarted_attempt_do_not_collide_with_the_last_ones",
+        "test_elastic.py::test_a_failed_first_collective_in_a_restarted_attempt_names_torch_and_the_fix",
+        "test_elastic.py::test_forget_dead_attempt_keys_does_nothing_outside_a_restart_and_refuses_after_init",
+    ],
     # "Same as DDP:" (one entry per clause)
     "buckets per (dtype, device)": [
         "test_equivalence_ddp.py::test_mixed_dtypes_get_separate_buckets_and_match_ddp",

@@ -130,11 +130,14 @@ def check_straggler(rank, world):
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("fused_reducer").addHandler(handler)
     out = {}
-    for sleepy in (True, False):
+    variants = {"sleepy": (True, {}), "balanced": (False, {}),
+                "high_threshold": (True, dict(straggler_threshold_ms=500.0)),
+                "fast": (True, dict(straggler_interval=2, straggler_warn_steps=2))}
+    for variant, (sleepy, settings) in variants.items():
         records.clear()
-        ours = FusedReducer(_net())
+        ours = FusedReducer(_net(), **settings)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
-        named_at = None
+        named_at = warned_at = None
         named_ever = []
         steps = 30 if sleepy else 50
         for step in range(steps):
@@ -146,14 +149,17 @@ def check_straggler(rank, world):
             loss.backward()
             opt.step()
             report = ours.straggler_report()
+            if warned_at is None and any("straggler" in m for m in records):
+                warned_at = step + 1
             if report["stragglers"]:
                 named_ever.append((step + 1, report["stragglers"]))
                 if named_at is None:
                     named_at = step + 1
-        path = ours.export_trace(f"/tmp/fr_health_trace_{rank}_{sleepy}.json")
+        path = ours.export_trace(f"/tmp/fr_health_trace_{rank}_{variant}.json")
         with open(path) as f:
             rows = {e["name"] for e in json.load(f)["traceEvents"]}
-        out[sleepy] = dict(named_at=named_at, named_ever=named_ever, report=report,
+        out[variant] = dict(named_at=named_at, warned_at=warned_at, named_ever=named_ever,
+                            report=report,
                            warnings=[m for m in records if "straggler" in m],
                            lateness_rows=sorted(r for r in rows if r.startswith("lateness")))
         ours.close()
@@ -322,7 +328,7 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         outcomes):
     world, outcomes = outcomes
     for rank, out in enumerate(per_rank(outcomes, "check_straggler")):
-        slow, balanced = out[True], out[False]
+        slow, balanced = out["sleepy"], out["balanced"]
         assert slow["named_at"] is not None and slow["named_at"] <= 10, slow
         assert slow["report"]["stragglers"] == [1] and slow["report"]["slowest"] == 1, slow
         assert slow["report"]["lateness_ms"][1] >= 30, slow["report"]
@@ -331,6 +337,16 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         assert balanced["named_ever"] == [], balanced
         assert balanced["warnings"] == [], balanced
         assert balanced["report"]["step"] == 50, balanced["report"]
+        # The knobs: a threshold above the 40 ms names nobody and warns not; an exchange every
+        # 2 steps and a warning after 2 late exchanges name and warn sooner.
+        high, fast = out["high_threshold"], out["fast"]
+        assert high["named_ever"] == [] and high["warnings"] == [], high
+        assert high["report"]["threshold_ms"] == 500.0, high["report"]
+        assert high["report"]["lateness_ms"][1] >= 30, high["report"]  # measured all the same
+        assert fast["report"]["interval"] == 2, fast["report"]
+        assert fast["named_at"] is not None and fast["named_at"] <= 6, fast
+        assert len(fast["warnings"]) == 1 and "rank 1 has been late" in fast["warnings"][0], fast
+        assert fast["warned_at"] < slow["warned_at"], (fast["warned_at"], slow["warned_at"])
 
 
 def test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp(outcomes):

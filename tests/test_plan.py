@@ -509,9 +509,53 @@ def check_planner_hint(rank, world_size):
                        for t in report["trials"]], "done": report["done"], "hint": list(hint)}
 
 
+def check_verify(rank, world_size):
+    """autotune(verify=True) on a plan made from this run's own profile, then on the same plan
+    with its first prediction made 5 times too slow: predicted vs measured per layout."""
+    import contextlib
+    import io
+    import torch.distributed as dist
+    import fused_reducer
+    from fused_reducer import plan
+    box = [tempfile.mkdtemp(prefix="fr_verify_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    recorded = fused_reducer.FusedReducer(make_model())
+    train(recorded, 4, rank)
+    profile = recorded.export_profile(os.path.join(folder, "profile.json"))
+    recorded.close()
+    real, doctored = os.path.join(folder, "plan.json"), os.path.join(folder, "doctored.json")
+    if rank == 0:
+        assert plan.main([profile, "--world", "2", "--top", "2", "--json", real]) == 0
+        with open(real) as f:
+            data = json.load(f)
+        data["worlds"][0]["best_layouts"][0]["step_ms"] *= 5
+        with open(doctored, "w") as f:
+            json.dump(data, f)
+    dist.barrier()
+    out = {}
+    for name, path in (("real", real), ("doctored", doctored)):
+        model = fused_reducer.FusedReducer(make_model())
+        model.autotune(planner_hint=path, verify=True, round_steps=(2, 2))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            for _ in range(60):
+                train(model, 1, rank)
+                if model.autotune_report()["done"]:
+                    break
+        with open(path) as f:
+            entry = json.load(f)["worlds"][0]
+        out[name] = {"report": model.autotune_report(), "printed": printed.getvalue(),
+                     "planned": [r["step_ms"] for r in entry["best_layouts"]]
+                     + [entry["ddp_default"]["step_ms"]]}
+        model.close()
+    return out
+
+
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_checks([check_profile_round_trip, check_planner_hint], world_size=2, timeout=240)
+    return run_checks([check_profile_round_trip, check_planner_hint, check_verify], world_size=2,
+                      timeout=300)
 
 
 def test_profile_round_trip(outcomes, tmp_path):
@@ -560,3 +604,44 @@ def test_autotune_measures_the_planner_hint_first_and_fewer_candidates(outcomes)
         assert r["done"]
         incumbent = (MiB, 25 * MiB, 0)
         assert r["trials"] == [incumbent, tuple(r["hint"])]
+
+
+def test_autotune_verify_measures_the_plans_layouts_and_flags_predictions_off_by_10_percent(
+        outcomes):
+    for rank, r in enumerate(per_rank(outcomes, "check_verify")):
+        for name in ("real", "doctored"):
+            report = r[name]["report"]
+            assert report["done"], report
+            verification = report["verification"]
+            rows = verification["rows"]
+            planned = r[name]["planned"]
+            expected = [f"plan best {i + 1}" for i in range(len(planned) - 1)] + ["DDP default"]
+            assert sorted(row["label"] for row in rows) == sorted(expected), rows
+            assert sorted(row["predicted_ms"] for row in rows) == sorted(r[name]["planned"])
+            trials = {(t["first_bucket_bytes"], t["bucket_cap_bytes"], t["last_bucket_bytes"]): t
+                      for t in report["trials"]}
+            for t in report["trials"]:  # interleaved, no halving: every layout every round
+                assert len(t["samples_ms"]) == 2 + 2, t
+            for row in rows:
+                trial = trials[(row["first_bucket_bytes"], row["bucket_cap_bytes"],
+                                row["last_bucket_bytes"])]
+                assert row["measured_ms"] == trial["step_ms"] == statistics.median(
+                    trial["samples_ms"])
+                error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+                assert row["wrong"] == (error > 0.10), row  # recomputed here
+            assert verification["wrong"] == [row["label"] for row in rows if row["wrong"]]
+            choice = report["choice"]
+            measured = {k: t["step_ms"] for k, t in trials.items()}
+            chosen = (choice["first_bucket_bytes"], choice["bucket_cap_bytes"],
+                      choice["last_bucket_bytes"])
+            assert chosen in measured
+            assert chosen == min(measured, key=measured.get) or report["trials"][0]["incumbent"]
+            if rank == 0:
+                assert "autotune verify" in r[name]["printed"], r[name]["printed"]
+                for row in rows:
+                    assert row["label"] in r[name]["printed"]
+            else:
+                assert r[name]["printed"] == ""  # rank 0 prints
+        assert "plan best 1" in r["doctored"]["report"]["verification"]["wrong"]
+        if rank == 0:
+            assert "WRONG" in r["doctored"]["printed"]

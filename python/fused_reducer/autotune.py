@@ -44,6 +44,26 @@ from .transport import control_allreduce
 log = logging.getLogger("fused_reducer")
 
 _INVALID = 1e30  # a step that cannot be timed (no backward between two forwards) on some rank
+VERIFY_TOLERANCE = 0.10  # verify: a prediction further than this from the measured step is wrong
+
+
+def verification_table(verification):
+    """The verify table as text: one line per layout of the plan."""
+    lines = [f"# autotune verify: the plan (world {verification['plan_world_size']}) against "
+             f"this run (world {verification['world_size']}), step ms, slowest rank, median",
+             f"#  {'layout':14s} {'first':>9s} {'cap':>9s} {'last':>9s} {'buckets':>7s} "
+             f"{'predicted':>9s} {'measured':>9s} {'error':>7s}"]
+    for r in verification["rows"]:
+        measured = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.2f}"
+        lines.append(f"   {r['label']:14s} {r['first_bucket_bytes']:9d} {r['bucket_cap_bytes']:9d} "
+                     f"{r['last_bucket_bytes']:9d} {r['buckets']:7d} {r['predicted_ms']:9.2f} "
+                     f"{measured:>9s} {r['error_pct']:+6.1f}%"
+                     + ("  WRONG" if r["wrong"] else ""))
+    verdict = (f"the plan is wrong here for {', '.join(verification['wrong'])} (beyond "
+               f"{verification['tolerance_pct']:.0f} %)" if verification["wrong"]
+               else f"every prediction within {verification['tolerance_pct']:.0f} %")
+    lines.append(f"# {verdict}")
+    return "\n".join(lines)
 
 
 def _finite(x):
@@ -106,6 +126,12 @@ class Autotuner:
     incumbent, and the shortlist defaults to them and the incumbent (at least 2, at most 6), so
     a plan made before scaling out saves trial steps on the large cluster. From a plan, the
     entry for this world size (else the nearest) is used.
+    verify: with a plan as planner_hint, measure exactly its best layouts and DDP's default
+    (and the starting configuration), interleaved in every round (no halving), and compare
+    each with the plan's predicted step time: rank 0 prints the table, a layout whose
+    measured step differs from the prediction by more than VERIFY_TOLERANCE (10 %) is flagged
+    as wrong, and autotune_report()["verification"] holds the rows. The measured best is kept
+    (the usual rule: the starting configuration stays unless clearly beaten).
     """
 
     @property
@@ -113,7 +139,8 @@ class Autotuner:
         return self._model()
 
     def __init__(self, model, max_candidates=None, round_steps=(2, 4), warmup_steps=1,
-                 margin=0.02, z=2.0, candidates=None, min_steps=2, planner_hint=None):
+                 margin=0.02, z=2.0, candidates=None, min_steps=2, planner_hint=None,
+                 verify=False):
         if max_candidates is not None and max_candidates < 2:
             raise ValueError(f"max_candidates must be >= 2, got {max_candidates}")
         if not round_steps or any(int(s) < 1 for s in round_steps):
@@ -131,9 +158,18 @@ class Autotuner:
         self.clock = step_clock(model.device)
         self.rank = dist.get_rank(self.group)
         self.hint = []
+        self.planned = None  # verify: what the plan predicts ({"world_size", "rows"})
+        self.verification = None
+        if verify and planner_hint is None:
+            raise ValueError("autotune(verify=True) needs planner_hint: the plan to verify")
         if planner_hint is not None:
-            from .plan import hinted_layouts
-            self.hint = hinted_layouts(planner_hint, dist.get_world_size(self.group))
+            from .plan import hinted_layouts, planned_steps
+            world = dist.get_world_size(self.group)
+            self.hint = hinted_layouts(planner_hint, world)
+            if verify:
+                self.planned = planned_steps(planner_hint, world)
+                self.hint = list(dict.fromkeys(self.hint + [c for _, c, _ in
+                                                            self.planned["rows"]]))
         self.state = "waiting"
         self.steps_used = 0          # synchronised steps since the plan was made
         self.plan = []               # [{candidate, predicted_ms, buckets}] measured, in order
@@ -260,6 +296,11 @@ class Autotuner:
             for ranking in rankings:
                 if len(chosen) < size and ranking[i] not in chosen:
                     chosen.append(ranking[i])
+        if self.planned is not None:  # verify: exactly the plan's layouts and the incumbent
+            chosen = [self.incumbent] + hinted
+            for label, layout, predicted in self.planned["rows"]:
+                row = rows[layouts[info.layout(order, layout)]]
+                row.setdefault("plan", []).append({"label": label, "predicted_ms": predicted})
         trials = [rows[c] for c in chosen]
         return {"trials": trials, "considered": len(layouts),
                 "model": {"latency_us": latency_us, "bandwidth_GBps": bytes_per_us * 1e6 / 1e9,
@@ -304,7 +345,9 @@ class Autotuner:
         if self.round >= len(self.round_steps) or not challengers:
             self._decide()
             return
-        keep = max(1, len(challengers) // 2)  # successive halving; the incumbent always stays
+        # Successive halving (the incumbent always stays); verify measures every layout of the
+        # plan in every round, interleaved.
+        keep = len(challengers) if self.planned is not None else max(1, len(challengers) // 2)
         self.alive = [self.incumbent] + challengers[:keep]
         log.debug("rank %d: autotune round %d: keeping %s, dropping %s", self.rank, self.round,
                   self.alive, challengers[keep:])
@@ -339,12 +382,38 @@ class Autotuner:
         self._set(best)
         self.choice = best
         self.state = "done"
+        if self.planned is not None:
+            self._verify()
         if self.rank == 0:
             log.info("autotune: chose first_bucket_bytes=%d bucket_cap_bytes=%d "
                      "last_bucket_bytes=%d (%s): %.2f ms per step, starting configuration "
                      "%.2f ms; %d configurations measured in %d steps", best[0], best[-2], best[-1],
                      "the starting configuration" if best == self.incumbent else "faster",
                      self._median(best), incumbent_ms, len(self.plan), self.steps_used)
+
+    def _verify(self):
+        """Predicted (the plan) against measured (median, slowest rank) per layout of the plan;
+        the samples are the same on every rank (agreed by MAX), so is the verdict."""
+        rows = []
+        for t in self.plan:
+            measured = self._median(tuple(t["candidate"]))
+            for planned in t.get("plan", []):
+                error = (planned["predicted_ms"] - measured) / measured
+                rows.append({"label": planned["label"], **limits_json(tuple(t["candidate"])),
+                             "buckets": t["buckets"], "predicted_ms": planned["predicted_ms"],
+                             "measured_ms": _finite(measured), "error_pct": 100 * error,
+                             "wrong": not abs(error) <= VERIFY_TOLERANCE})
+        wrong = [r["label"] for r in rows if r["wrong"]]
+        self.verification = {"plan_world_size": self.planned["world_size"],
+                             "world_size": dist.get_world_size(self.group),
+                             "tolerance_pct": 100 * VERIFY_TOLERANCE, "rows": rows,
+                             "wrong": wrong}
+        if self.rank == 0:
+            print(verification_table(self.verification), flush=True)
+            if wrong:
+                log.warning("autotune verify: the plan is wrong here for %s (measured and "
+                            "predicted step differ by more than %d %%)", ", ".join(wrong),
+                            round(100 * VERIFY_TOLERANCE))
 
     # -- report --------------------------------------------------------------------------------
     def report(self):
@@ -364,5 +433,5 @@ class Autotuner:
         return {"done": self.state == "done", "state": self.state, "trials": trials,
                 "choice": choice, "steps_used": self.steps_used,
                 "configurations_considered": self.considered, "model": self.model_info,
-                "decision": self.decision,
+                "decision": self.decision, "verification": self.verification,
                 "incumbent": None if self.incumbent is None else limits_json(self.incumbent)}

@@ -390,10 +390,9 @@ def _recorded_collective(profile, network, metas):
             f"{probe['bandwidth_GBps']:.2f} GB/s)")
 
 
-def hinted_layouts(hint, world):
-    """(first, cap, last) candidates from a planner hint: a plan dict, a plan file path, or a
-    list of triples. From a plan, the best layouts of the entry for `world` (else the nearest
-    world size by ratio: 256 takes 512's before 8's)."""
+def _plan_entry(hint, world):
+    """The entry of a plan (dict or file path) for `world` (else the nearest world size by
+    ratio: 256 takes 512's before 8's); None when `hint` is not a plan but a list."""
     if isinstance(hint, (str, os.PathLike)):
         try:
             with open(hint) as f:
@@ -401,12 +400,21 @@ def hinted_layouts(hint, world):
         except (OSError, ValueError) as e:
             raise ValueError(f"planner_hint {str(hint)!r}: cannot read a plan from it ({e})") \
                 from None
-    if isinstance(hint, dict):
-        if hint.get("format") != PLAN_FORMAT or not hint.get("worlds"):
-            raise ValueError(f"planner_hint is not a plan of python -m fused_reducer.plan "
-                             f"--json (format {hint.get('format')!r})")
-        entry = min(hint["worlds"], key=lambda e: (abs(math.log(e["world_size"] / world)),
-                                                   e["world_size"]))
+    if not isinstance(hint, dict):
+        return None
+    if hint.get("format") != PLAN_FORMAT or not hint.get("worlds"):
+        raise ValueError(f"planner_hint is not a plan of python -m fused_reducer.plan "
+                         f"--json (format {hint.get('format')!r})")
+    return min(hint["worlds"], key=lambda e: (abs(math.log(e["world_size"] / world)),
+                                              e["world_size"]))
+
+
+def hinted_layouts(hint, world):
+    """(first, cap, last) candidates from a planner hint: a plan dict, a plan file path, or a
+    list of triples. From a plan, the best layouts of the entry for `world` (else the nearest
+    world size by ratio: 256 takes 512's before 8's)."""
+    entry = _plan_entry(hint, world)
+    if entry is not None:
         hint = [candidate_from_json(r) for r in entry["best_layouts"]]
     try:
         candidates = [tuple(int(v) for v in c) for c in hint]
@@ -418,6 +426,23 @@ def hinted_layouts(hint, world):
             raise ValueError(f"planner_hint layout {c!r}: need (first > 0, cap > 0, last >= 0) "
                              f"bytes, or (limit > 0, ..., last >= 0)")
     return list(dict.fromkeys(candidates))
+
+
+def planned_steps(hint, world):
+    """What a plan predicts for `world` (its entry, else the nearest world size's), for
+    autotune(verify=True): {"world_size": the entry's, "rows": [(label, (first, cap, last),
+    predicted step ms)]}: the best layouts, then DDP's default. A list of layouts has no
+    predictions: ValueError."""
+    entry = _plan_entry(hint, world)
+    if entry is None:
+        raise ValueError("autotune(verify=True) needs a plan (the --json output of python -m "
+                         "fused_reducer.plan, or its path) as planner_hint: a list of layouts "
+                         "holds no predictions to verify")
+    rows = [(f"plan best {i + 1}", candidate_from_json(r), float(r["step_ms"]))
+            for i, r in enumerate(entry["best_layouts"])]
+    rows.append(("DDP default", candidate_from_json(entry["ddp_default"]),
+                 float(entry["ddp_default"]["step_ms"])))
+    return {"world_size": entry["world_size"], "rows": rows}
 
 
 # -- output ---------------------------------------------------------------------------------------
