@@ -101,18 +101,18 @@ def torchs_libstdcxx():
     process loaded with torch, named before the driver's own libraries, resolves every C++ runtime
     symbol, so no static copy is pulled in."""
     try:
-        with open("/proc/self/maps") as maps:
+        with open("/proc/self/maps") as maps:  # Linux; elsewhere the toolchain's default
             for line in maps:
                 path = line.split()[-1]
                 if os.path.basename(path).startswith("libstdc++.so"):
-                    return path
+                    return [path]
     except OSError:
         pass
-    return "-lstdc++"
+    return []  # no libstdc++ loaded (libc++, not Linux): nothing to add
 
 
-link_shared_libstdcxx = [torchs_libstdcxx()]
-print(f"fused_reducer: C++ runtime {link_shared_libstdcxx[0]}")
+link_shared_libstdcxx = torchs_libstdcxx()
+print(f"fused_reducer: C++ runtime {link_shared_libstdcxx or 'the toolchain default'}")
 
 if with_cuda and cuda_sources:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

@@ -82,6 +82,8 @@ def inject(what, victim):
         if what in ("sigint", "sigint-all"):
             raise KeyboardInterrupt
         if what == "agent-sigterm":
+            if "TORCHELASTIC_RUN_ID" not in os.environ:  # the parent must be torchrun's agent
+                raise RuntimeError("lifecycle_worker: agent-sigterm runs under torchrun only")
             os.kill(os.getppid(), signal.SIGTERM)  # torchrun's agent: it stops its workers
             time.sleep(30)
         return grad

@@ -127,6 +127,11 @@ def run_once(setup, wrapper, scrub, outdir, run_timeout_s):
     return classify(outdir, output) + (elapsed,)
 
 
+def _package_dir():
+    import fused_reducer
+    return os.path.dirname(os.path.realpath(fused_reducer.__file__)) + os.sep
+
+
 def classify(outdir, output):
     """(verdict, what decided it) for a failed run, from what the restarted workers wrote (their
     tracebacks, or their stacks when the worker's watchdog ended a hang), else the agents' log."""
@@ -136,11 +141,17 @@ def classify(outdir, output):
             text = open(path, errors="replace").read().strip()
             if text:
                 evidence.append((kind, os.path.basename(path), text))
+    package = _package_dir()
+    ours = lambda path: os.path.realpath(path).startswith(package)  # noqa: E731
     for kind, name, text in evidence:
         frames = re.findall(r'File "([^"]+)", line \d+,? in (\S+)', text)
         last_line = text.splitlines()[-1].strip()
-        if any("/fused_reducer/" in path for path, _ in frames) and \
-                "pytorch/pytorch#135712" not in text:  # FusedReducer naming torch's failure
+        if "pytorch/pytorch#135712" in text:  # FusedReducer naming torch's failure
+            continue
+        # A traceback: raised through FusedReducer's code; a hang (faulthandler lists the
+        # innermost frame first): stuck in it.
+        if (kind == "error" and any(ours(path) for path, _ in frames)) or \
+                (kind == "hang" and frames and ours(frames[0][0])):
             return "fused_reducer", f"{name}: {last_line}"[:200]
     for kind, name, text in evidence:
         frames = re.findall(r'File "([^"]+)", line \d+,? in (\S+)', text)

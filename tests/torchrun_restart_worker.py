@@ -34,6 +34,7 @@ KILL_AT = 6  # attempt 0, rank 1: SIGKILL during step 6
 IN_FEATURES, HIDDEN, OUT_FEATURES, BATCH = 16, 32, 4, 8
 LR, MOMENTUM = 0.05, 0.9
 WATCHDOG_S = 40  # per attempt; the test's own deadline is longer than two of these
+AGREED_ATTEMPT = None  # the attempt, once the ranks agreed on it (main)
 
 
 def make_model():
@@ -67,9 +68,12 @@ def main(outdir, mode):
     # thread's stack on stderr and in OUTDIR/hang_attempt<a>_rank<r>.txt, well before the test's
     # own deadline; an exception's traceback goes to OUTDIR/error_attempt<a>_rank<r>.txt
     # (scripts/restart_study.py reads both to tell whose failure a failed restart was).
-    hang_file = open(os.path.join(outdir, f"hang_attempt{attempt}_rank{rank}.txt"), "w")
+    # Named by the pid until the attempt is agreed (this agent's restart count can differ from
+    # the other node's: see below).
+    hang_path = os.path.join(outdir, f"hang_pid{os.getpid()}.txt")
+    hang_file = open(hang_path, "w")
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=hang_file)
-    with open(os.path.join(outdir, f"pid_attempt{attempt}_rank{rank}"), "w") as f:
+    with open(os.path.join(outdir, f"pid_{os.getpid()}"), "w") as f:
         f.write(str(os.getpid()))  # the test ends a stray worker by this pid
     torch.set_num_threads(1)
     store_state = forget_dead_attempts_torch_keys(attempt, rank)
@@ -79,6 +83,9 @@ def main(outdir, mode):
     agreed = torch.tensor([attempt])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     attempt = int(agreed)
+    global AGREED_ATTEMPT
+    AGREED_ATTEMPT = attempt
+    os.rename(hang_path, os.path.join(outdir, f"hang_attempt{attempt}_rank{rank}.txt"))
     checkpoint = os.path.join(outdir, "checkpoint.pt")
     model = make_model()
     optimizer = make_optimizer(model.parameters())
@@ -161,7 +168,9 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1], sys.argv[2])
     except BaseException:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = AGREED_ATTEMPT
+        if attempt is None:  # before init_process_group: this agent's count, its highest guess
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         with open(os.path.join(sys.argv[1], f"error_attempt{attempt}_rank{os.environ['RANK']}.txt"),
                   "w") as f:
             f.write(traceback.format_exc())

@@ -55,10 +55,12 @@ def verification_table(verification):
              f"{'predicted':>9s} {'measured':>9s} {'error':>7s}"]
     for r in verification["rows"]:
         measured = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.2f}"
+        error = "-" if r["error_pct"] is None else f"{r['error_pct']:+6.1f}%"
         lines.append(f"   {r['label']:14s} {r['first_bucket_bytes']:9d} {r['bucket_cap_bytes']:9d} "
                      f"{r['last_bucket_bytes']:9d} {r['buckets']:7d} {r['predicted_ms']:9.2f} "
-                     f"{measured:>9s} {r['error_pct']:+6.1f}%"
-                     + ("  WRONG" if r["wrong"] else ""))
+                     f"{measured:>9s} {error:>7s}"
+                     + ("  WRONG" if r["wrong"] else "  (not measured)" if r["wrong"] is None
+                        else ""))
     verdict = (f"the plan is wrong here for {', '.join(verification['wrong'])} (beyond "
                f"{verification['tolerance_pct']:.0f} %)" if verification["wrong"]
                else f"every prediction within {verification['tolerance_pct']:.0f} %")
@@ -396,13 +398,14 @@ class Autotuner:
         the samples are the same on every rank (agreed by MAX), so is the verdict."""
         rows = []
         for t in self.plan:
-            measured = self._median(tuple(t["candidate"]))
+            measured = _finite(self._median(tuple(t["candidate"])))  # None: no valid step
             for planned in t.get("plan", []):
-                error = (planned["predicted_ms"] - measured) / measured
+                error = None if measured is None else (planned["predicted_ms"] - measured) / measured
                 rows.append({"label": planned["label"], **limits_json(tuple(t["candidate"])),
                              "buckets": t["buckets"], "predicted_ms": planned["predicted_ms"],
-                             "measured_ms": _finite(measured), "error_pct": 100 * error,
-                             "wrong": not abs(error) <= VERIFY_TOLERANCE})
+                             "measured_ms": measured,
+                             "error_pct": None if error is None else 100 * error,
+                             "wrong": None if error is None else abs(error) > VERIFY_TOLERANCE})
         wrong = [r["label"] for r in rows if r["wrong"]]
         self.verification = {"plan_world_size": self.planned["world_size"],
                              "world_size": dist.get_world_size(self.group),

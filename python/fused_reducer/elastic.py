@@ -6,8 +6,9 @@ attempt's keys of its default process group from the next (pytorch/pytorch#13571
 attempt's gloo group can then read the dead attempt's address of a peer: init_process_group
 fails with "Gloo connectFullMesh failed ... Connection refused", or hangs until its timeout.
 Measured here (scripts/restart_study.py, docs/TESTING.md "torchrun restarts"), DDP and
-FusedReducer alike, since it happens before either exists. FusedReducer's own keys carry the
-restart count and need nothing (python/fused_reducer/transport.py).
+FusedReducer alike, since it happens before either exists. FusedReducer's own keys live in a
+namespace each new group agrees on and need nothing (python/fused_reducer/transport.py,
+attempt_token).
 
     import fused_reducer.elastic
     fused_reducer.elastic.forget_dead_attempt_keys()   # on every rank, before init_process_group
@@ -20,10 +21,12 @@ it (it raises there).
 It removes the keys of torch's default process group ("default_pg/...") that a dead attempt left,
 on rank 0, while the other ranks wait for it; nothing outside torchrun, in the first attempt, or
 with a store per attempt. It relies on a torch detail (the key prefix of the default group and
-TCPStore.list_keys): it checks both and says so when they are missing.
+TCPStore.list_keys): it says so when list_keys is missing, and warns when a restarted attempt
+finds none of those keys (a torch that names them otherwise would leave them in place).
 """
 import json
 import os
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -64,6 +67,10 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
                          if k.startswith(DEFAULT_GROUP_PREFIX) and FUSED_REDUCER_MARK not in k)
         for key in removed:
             store.delete_key(key)
+        if not removed:
+            warnings.warn(f"fused_reducer.elastic.forget_dead_attempt_keys(): attempt {attempt} "
+                          f"found no '{DEFAULT_GROUP_PREFIX}' keys in torchrun's store; if this "
+                          "torch names its default group's keys otherwise, none were removed")
         store.set(done, json.dumps(removed))
     else:
         store.wait([done])

@@ -195,7 +195,11 @@ class FusedReducer(nn.Module, Joinable):
             message = restart_failure(e)
             if message is None:
                 raise
-            raise RuntimeError(message) from e
+            try:
+                explained = type(e)(message)  # the same class (DistError callers keep working)
+            except Exception:  # noqa: BLE001 - a class that takes other arguments
+                explained = RuntimeError(message)
+            raise explained from e
         if getattr(self, "init_sync", True):
             # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
             # (rank-local buffers stay rank-local); forward_sync_buffers does not.

@@ -328,19 +328,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ShardedOptimizerError(f"ShardedOptimizer: norm_type must be positive (a p-norm, "
                                         f"or inf), got {norm_type}")
         device = self.model._control_device
+        # Every rank sends float64 (its shards' dtypes can differ from another rank's, and a rank
+        # may hold none); the norm comes back in the parameters' widest real dtype, as torch's.
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max().float() for g in grads if g.numel()),
-                        default=torch.tensor(0.0))
+            local = max((g.detach().abs().max().double() for g in grads if g.numel()),
+                        default=torch.tensor(0.0, dtype=torch.float64))
             total = local.reshape(1).to(device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)
             total = total[0]
         else:
             local = sum((torch.linalg.vector_norm(g.detach(), norm_type, dtype=_norm_dtype(g))
-                         ** norm_type for g in grads), torch.tensor(0.0))
+                         .double() ** norm_type for g in grads),
+                        torch.tensor(0.0, dtype=torch.float64))
             total = local.reshape(1).to(device)
             dist.all_reduce(total, group=self.model.process_group)
             total = total[0] ** (1.0 / norm_type)
-        return grads, total.cpu()
+        return grads, total.cpu().to(self._norm_result_dtype())
+
+    def _norm_result_dtype(self):
+        """float64 if any parameter is float64 or complex128, else float32: the same on every
+        rank (all know every parameter)."""
+        wide = any(p.dtype in (torch.float64, torch.complex128) for p in self.model.parameters())
+        return torch.float64 if wide else torch.float32
 
     # -- the step --------------------------------------------------------------------------------
     # GradScaler then hands itself to step() instead of unscaling param.grad (None here).

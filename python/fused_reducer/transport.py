@@ -338,8 +338,8 @@ def exchange(group, topic, text, timeout_s=None):
     key = dist.distributed_c10d._get_process_group_name(group) if hasattr(
         dist.distributed_c10d, "_get_process_group_name") else str(id(group))
     token = attempt_token(group, key, store, topic, timeout_s)
-    round_ = _exchange_rounds.get((key, topic), 0)
-    _exchange_rounds[(key, topic)] = round_ + 1
+    round_ = _exchange_rounds.get((key, token, topic), 0)
+    _exchange_rounds[(key, token, topic)] = round_ + 1
     prefix = f"fused_reducer/{token}/{topic}/{key}/{round_}/"
     store.set(prefix + str(rank), text)
     keys = [prefix + str(r) for r in range(world)]
@@ -360,7 +360,7 @@ def _absent(store, keys, topic, timeout_s, error):
         f"constructs FusedReducer ({type(error).__name__}: {error})")
 
 
-_attempt_tokens = {}  # per group: this attempt's namespace in the store, agreed by its ranks
+_attempt_tokens = {}  # per group name: (the group, this attempt's namespace, agreed by its ranks)
 
 
 def attempt_token(group, key, store, topic, timeout_s):
@@ -369,35 +369,47 @@ def attempt_token(group, key, store, topic, timeout_s):
     would be read as this one's: a segment name of a dead attempt made backend='auto' fall back,
     or a rank wait forever). torchrun's restart count alone is not enough: it is each agent's
     own, and an agent that restarts for another node's failure (a membership change) keeps its
-    count, so two nodes can disagree (seen with two agents: scripts/restart_study.py). So rank 0
-    draws a token and the group sums it in, once per group and process, where the group
-    moves CPU tensors (gloo; within `timeout_s`, naming an absent rank like the exchange); a
-    group of NCCL alone (whose first collective would create the communicator that
-    check_one_rank_per_gpu must come before) keeps the restart count."""
-    token = _attempt_tokens.get(key)
-    if token is not None:
-        return token
+    count, so two nodes can disagree (seen with two agents: scripts/restart_study.py). So where
+    the group moves CPU tensors (gloo), once per group and process: every rank announces itself
+    in the store (an absent rank is named within `timeout_s`, like the exchange, and no
+    collective is left waiting for it), then rank 0's draw is summed over the group (a sum
+    completes on no rank unless all took part). A group of NCCL alone (whose first collective
+    would create the communicator that check_one_rank_per_gpu must come before) keeps the
+    restart count."""
+    cached = _attempt_tokens.get(key)
+    if cached is not None and cached[0] is group:  # group names repeat after a re-init
+        return cached[1]
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if "gloo" not in str(dist.get_backend(group)):
-        _attempt_tokens[key] = restart
+    config = (dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
+              else dist.get_backend(group))
+    if "gloo" not in str(config):
+        _attempt_tokens[key] = (group, restart)
         return restart
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    present = [f"fused_reducer/{restart}/present/{key}/{r}" for r in range(world)]
-    store.set(present[rank], str(os.getpid()))  # only to name an absent rank
+    # Deleted once the sum is done, so a later attempt finds none of them (a key of a process
+    # that died inside these few lines can remain: the sum's own timeout then bounds the wait).
+    present = [f"fused_reducer/present/{key}/{r}" for r in range(world)]
+    store.set(present[rank], str(os.getpid()))
+    wait = timedelta(seconds=min(timeout_s, MAX_TIMEOUT_S)) if timeout_s is not None else None
+    try:
+        store.wait(present, wait) if wait is not None else store.wait(present)
+    except Exception as e:  # noqa: BLE001 - the store's timeout, or a store gone with its host
+        raise _absent(store, present, topic, timeout_s or 0, e) from None
     drawn = torch.tensor([int.from_bytes(os.urandom(7), "little") if rank == 0 else 0
                           for _ in range(2)], dtype=torch.int64)
-    # A sum (rank 0's draw, zeros elsewhere) rather than a broadcast: it completes on no rank
-    # unless every rank took part, so an absent rank is named alike by all the others.
     work = dist.all_reduce(drawn, group=group, async_op=True)
     try:
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=min(timeout_s, MAX_TIMEOUT_S)))
+        work.wait(wait) if wait is not None else work.wait()
     except Exception as e:  # noqa: BLE001 - gloo's timeout, or a peer gone
-        raise _absent(store, present, topic, timeout_s or 0, e) from None
+        raise RuntimeError(
+            f"FusedReducer: the ranks of the group did not agree on a namespace for the "
+            f"{topic!r} exchange ({type(e).__name__}: {e}): a peer may have died") from None
+    try:
+        store.delete_key(present[rank])
+    except Exception:  # noqa: BLE001 - a store without delete_key: the key only names a rank
+        pass
     token = f"{int(drawn[0]):x}{int(drawn[1]):x}"  # rank 0's draw: the same on every rank
-    _attempt_tokens[key] = token
+    _attempt_tokens[key] = (group, token)
     return token
 
 
