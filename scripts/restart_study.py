@@ -136,8 +136,11 @@ def classify(outdir, output):
     """(verdict, what decided it) for a failed run, from what the restarted workers wrote (their
     tracebacks, or their stacks when the worker's watchdog ended a hang), else the agents' log."""
     evidence = []
-    for kind in ("error", "hang"):
-        for path in sorted(glob.glob(os.path.join(outdir, f"{kind}_attempt[1-9]*_rank*.txt"))):
+    # A worker names its files by the attempt its ranks agreed on; one that hung before they
+    # agreed (inside init_process_group: only a restarted attempt does) by its pid.
+    for kind, pattern in (("error", "error_attempt[1-9]*_rank*.txt"),
+                          ("hang", "hang_attempt[1-9]*_rank*.txt"), ("hang", "hang_pid*.txt")):
+        for path in sorted(glob.glob(os.path.join(outdir, pattern))):
             text = open(path, errors="replace").read().strip()
             if text:
                 evidence.append((kind, os.path.basename(path), text))
@@ -172,6 +175,28 @@ def classify(outdir, output):
     return "other", (errors[-1] if errors else "no error line")[:200]
 
 
+def reclassify(keep):
+    """The verdicts of runs kept by --keep, again (a resumed run stays resumed)."""
+    counts = collections.defaultdict(collections.Counter)
+    for run in sorted(os.listdir(keep)):
+        outdir = os.path.join(keep, run)
+        setup, store, wrapper, _ = run.split("_")
+        reports = [os.path.join(outdir, f"attempt1_rank{r}.json") for r in range(2)]
+        if all(os.path.exists(p) and json.load(open(p)).get("final") for p in reports):
+            verdict, detail = "resumed", ""
+        else:
+            output = "".join(open(p, errors="replace").read()
+                             for p in sorted(glob.glob(os.path.join(outdir, "agent*.log"))))
+            verdict, detail = classify(outdir, output)
+        counts[setup, store, wrapper][verdict] += 1
+        print(f"{run:32s} {verdict:14s} {detail}")
+    for (setup, store, wrapper), c in counts.items():
+        others = ", ".join(f"{v} {n}" for v, n in sorted(c.items()) if v != "resumed")
+        print(f"  {setup:12s} {store:9s} {wrapper:8s} {c['resumed']:>3d} of {sum(c.values()):<3d} "
+              f"{others}")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="runs per (set-up, scrub, wrapper)")
@@ -181,7 +206,11 @@ def main():
     ap.add_argument("--run-timeout-s", type=float, default=150.0)
     ap.add_argument("--keep", default=None, help="keep each run's logs under this directory")
     ap.add_argument("--json", default=None, help="write every run's verdict here")
+    ap.add_argument("--reclassify", default=None, metavar="KEEP_DIR",
+                    help="give the runs kept under KEEP_DIR (--keep) their verdicts again")
     args = ap.parse_args()
+    if args.reclassify:
+        return reclassify(args.reclassify)
     # forget_dead_attempt_keys() works for one agent only (it raises on several nodes).
     cells = [(setup, scrub == "scrubbed", wrapper)
              for setup in args.setups.split(",") for scrub in args.scrub.split(",")
@@ -219,8 +248,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    sys.exit(1 if bad else 0)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
