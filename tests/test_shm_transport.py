@@ -681,6 +681,7 @@ def check_restart_attempt_keys(rank, world):
         # Two torchrun agents can disagree on the count (one restarted for the other's failure
         # keeps its count): the ranks still agree on one namespace, through the group.
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(20 + rank)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store that outlives attempts
         transport_module._exchange_rounds.clear()
         transport_module._attempt_tokens.clear()
         split = transport_module.exchange(dist.group.WORLD, "restart-probe", f"split-{rank}", 30.0)
@@ -690,6 +691,7 @@ def check_restart_attempt_keys(rank, world):
         transport_module._exchange_rounds.update(saved_rounds)
         transport_module._attempt_tokens.clear()
         transport_module._attempt_tokens.update(saved_tokens)
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         if saved_env is None:
             os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
         else:

@@ -369,8 +369,8 @@ def attempt_token(group, key, store, topic, timeout_s):
     would be read as this one's: a segment name of a dead attempt made backend='auto' fall back,
     or a rank wait forever). torchrun's restart count alone is not enough: it is each agent's
     own, and an agent that restarts for another node's failure (a membership change) keeps its
-    count, so two nodes can disagree (seen with two agents: scripts/restart_study.py). So where
-    the group moves CPU tensors (gloo), once per group and process: every rank announces itself
+    count, so two nodes can disagree (seen with two agents: scripts/restart_study.py). So under
+    torchrun's agent store, where the group moves CPU tensors (gloo), once per group and process: every rank announces itself
     in the store (an absent rank is named within `timeout_s`, like the exchange, and no
     collective is left waiting for it), then rank 0's draw is summed over the group (a sum
     completes on no rank unless all took part). A group of NCCL alone (whose first collective
@@ -382,7 +382,9 @@ def attempt_token(group, key, store, topic, timeout_s):
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     config = (dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
               else dist.get_backend(group))
-    if "gloo" not in str(config):
+    # Only torchrun's agent store outlives an attempt; elsewhere there is nothing to tell apart,
+    # and no collective is added to construction.
+    if "gloo" not in str(config) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         _attempt_tokens[key] = (group, restart)
         return restart
     rank, world = dist.get_rank(group), dist.get_world_size(group)
