@@ -59,7 +59,14 @@ def _grow_gloo():
 def _scenarios(rank, world_size):
     sys.path.insert(0, BENCH)
     import memory_bench as mb
-    ctypes.CDLL("libc.so.6").malloc_trim  # noqa: B018 - glibc, or this rank fails here
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim  # noqa: B018 - glibc, or this rank fails here
+    # A fixed mmap threshold: glibc otherwise raises it to the size of the last large block freed,
+    # after which a 16 MiB buffer may come from the heap and stay resident when freed, depending
+    # on what ran before (3 of 6 runs failed so at commit e738baa on a busy machine, 0 of 6 on a
+    # quiet one). Fixed, every block over 1 MiB is mapped and unmapped on free, for DDP and
+    # FusedReducer alike: what is measured is what the wrappers keep, not glibc's heuristic.
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     out = {}
     _grow_gloo()
     for gv in (False, True):
