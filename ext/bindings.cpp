@@ -145,6 +145,7 @@ py::dict straggler_dict(const fused_reducer::StragglerReport& report) {
   py::dict d;
   d["step"] = report.step;
   d["lateness_ms"] = report.lateness_ms;
+  d["slack_ms"] = report.slack_ms;
   d["slowest"] = report.slowest >= 0 ? py::object(py::int_(report.slowest)) : py::object(py::none());
   d["stragglers"] = report.stragglers;
   d["late_steps"] = report.late_steps;

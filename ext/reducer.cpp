@@ -26,15 +26,6 @@ constexpr const char* kFindUnusedHint =
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Stragglers are measured from host times of the collectives (Note [Lateness from slack]),
-// which GPU buckets do not give: no straggler exchange there (it would carry nothing).
-HealthOptions health_options_for(HealthOptions options, const std::vector<at::Tensor>& params) {
-  if (!params.empty() && !params.front().is_cpu()) {
-    options.straggler_interval = 0;
-  }
-  return options;
-}
-
 // Note [Slot layout]
 // Every parameter's slot in a bucket starts at a multiple of kSlotAlignBytes
 // (padding is zeros and is reduced with the rest), so the fused copy kernel
@@ -178,7 +169,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
       options_(options),
       rank_(group_->getRank()),
       world_size_(group_->getSize()),
-      health_(health_options_for(options_.health, params_), rank_, world_size_) {
+      health_(options_.health, rank_, world_size_) {
   TORCH_CHECK(!params_.empty(), "FusedReducer: the module has no trainable parameters");
   TORCH_CHECK(params_.size() == names_.size(), "FusedReducer: one name per parameter expected");
   check_bucket_caps(options_.bucket_caps_bytes);
@@ -383,6 +374,9 @@ void Reducer::unpack_completed_buckets() {
 void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
   const double start = now_us();
   wait_for_bucket(index);
+  if (!buckets_[index].skipped) {
+    record_slack_event(/*complete=*/true);
+  }
   BucketTiming& timing = buckets_[index].timing;
   timing.complete_us = now_us();
   timing.wait_us = exposed ? timing.complete_us - start : 0.0;
@@ -458,6 +452,7 @@ void Reducer::launch_ready_buckets() {
       bucket.collective = sharded_ ? transport_->reduce_scatter_sum(bucket.flat, label)
                                    : transport_->allreduce_sum_labeled(bucket.flat, label);
     }
+    record_slack_event(/*complete=*/false);  // after the launch: nothing is recorded for a refused one
     launched_this_step_ += 1;
     launched_bytes_this_step_ += bucket.bytes;
   }
@@ -818,14 +813,51 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
 }
 
 // See Note [Lateness from slack]: from the last reduced bucket being ready to its
-// collective being seen complete.
-double Reducer::last_bucket_slack_ms() const {
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
-    if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
-      return (it->timing.complete_us - it->timing.ready_last_us) / 1000.0;
+// collective being seen complete. On CPU both are host clock readings of this step. On a
+// GPU the host runs ahead of the device, so its clock says when work was queued, not done:
+// Note [Lateness from slack on the GPU].
+double Reducer::last_bucket_slack_ms() {
+  if (params_.front().is_cpu()) {
+    for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+      if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
+        return (it->timing.complete_us - it->timing.ready_last_us) / 1000.0;
+      }
     }
+    return kNaN;
   }
-  return kNaN;
+  // Note [Lateness from slack on the GPU]
+  // The same slack on the device's own clock: a timing event on the compute stream after the
+  // last launched bucket's copy (its gradients ready on the GPU), another after the stream
+  // waited for its collective (complete on the GPU); their elapsed time is the slack. Reading
+  // it needs both events done, which this step's are not yet (no host sync in backward): the
+  // previous step's pair is read instead, if the device finished it, else that sample is
+  // skipped (the report is a median over steps). Two slots in turn.
+  double slack = kNaN;
+  SlackEvents& previous = slack_events_[slack_slot_ ^ 1];
+  if (previous.recorded && previous.complete->query()) {
+    slack = previous.ready->elapsedTime(*previous.complete);
+  }
+  previous.recorded = false;
+  slack_slot_ ^= 1;  // the next step records into the pair just read
+  return slack;
+}
+
+// Records this step's ready (after a bucket's launch) or complete (after a bucket's wait)
+// event on the current stream; the last of each in a step is what last_bucket_slack_ms
+// reads. GPU only, and only when the straggler exchange is on.
+void Reducer::record_slack_event(bool complete) {
+  const at::Tensor& first = params_.front();
+  if (first.is_cpu() || health_.options().straggler_interval == 0) {
+    return;
+  }
+  SlackEvents& events = slack_events_[slack_slot_];
+  std::optional<c10::Event>& event = complete ? events.complete : events.ready;
+  if (!event) {
+    event.emplace(first.device().type(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
+  }
+  const auto* guard = c10::impl::getDeviceGuardImpl(first.device().type());
+  event->record(guard->getStream(first.device()));
+  events.recorded = complete && events.ready.has_value();
 }
 
 // Note [Health exchange]

@@ -16,8 +16,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <array>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -286,7 +288,8 @@ class Reducer {
   CopyStats pack_stats() const;
   CopyStats unpack_stats() const;
   void snapshot_gradients();
-  double last_bucket_slack_ms() const;
+  double last_bucket_slack_ms();
+  void record_slack_event(bool complete);
   std::string exchange_health(bool joined);
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
   std::vector<int64_t> observed_order() const;
@@ -368,6 +371,16 @@ class Reducer {
   // Training health. nonfinite_: int64 per parameter, NaN/Inf in the local gradients of
   // this step (check_finite); norms_ and the gradients they describe: see copy_norms().
   TrainingHealth health_;
+  // GPU buckets: the slack on the device's clock (Note [Lateness from slack on the GPU]), one
+  // pair of timing events per step, two steps in turn: this step's are recorded while the
+  // last step's are read.
+  struct SlackEvents {
+    std::optional<c10::Event> ready;     // after the last launched bucket's copy
+    std::optional<c10::Event> complete;  // after the wait for the last bucket's collective
+    bool recorded = false;
+  };
+  std::array<SlackEvents, 2> slack_events_;
+  size_t slack_slot_ = 0;
   std::function<void(const std::string&)> nonfinite_handler_;
   at::Tensor nonfinite_;
   at::Tensor norms_;

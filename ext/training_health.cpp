@@ -51,6 +51,7 @@ TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
               "FusedReducer: straggler_warn_steps must be a positive number of steps, got ",
               options_.straggler_warn_steps);
   report_.lateness_ms.assign(world_size, kNaN);
+  report_.slack_ms.assign(world_size, kNaN);
   report_.late_steps.assign(world_size, 0);
   report_.interval = options_.straggler_interval;
   report_.window = options_.straggler_window;
@@ -124,6 +125,7 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows, int64_t st
     const double slack = rows[3 * r + 1];
     const double lateness = std::isnan(slack) ? kNaN : earliest - slack;
     report_.lateness_ms[r] = lateness;
+    report_.slack_ms[r] = slack;
     if (!std::isnan(lateness) && lateness > slowest) {
       slowest = lateness;
       report_.slowest = r;

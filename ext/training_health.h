@@ -32,6 +32,7 @@ struct HealthOptions {
 struct StragglerReport {
   int64_t step = 0;                  // the synchronised step of the last exchange (0: none yet)
   std::vector<double> lateness_ms;   // per rank; NaN: no measurement (joined, or none yet)
+  std::vector<double> slack_ms;      // per rank: median wait of its last bucket for the others
   int64_t slowest = -1;
   std::vector<int64_t> stragglers;   // late beyond threshold_ms in the last exchange
   std::vector<int64_t> late_steps;   // per rank: steps it has been late in a row

@@ -129,6 +129,63 @@ def test_check_finite_and_the_norm_from_the_copy_on_nccl(nccl_world_of_one):
     ours.close()
 
 
+def _gpu_sleep_ms(ms):
+    """Cycles of torch.cuda._sleep that keep the GPU busy about `ms` (calibrated here)."""
+    cycles = 1 << 22
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # warm up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return max(1, int(cycles * ms / start.elapsed_time(end)))
+
+
+def test_straggler_slack_is_read_off_the_gpu_clock(nccl_world_of_one):
+    """Note [Lateness from slack on the GPU]: on NCCL buckets the slack (last bucket ready ->
+    its collective complete) comes from CUDA timing events, one step late, with no host wait
+    in backward; at world size 1 nobody is late."""
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl", bucket_cap_mb=0.01,
+                                      straggler_interval=2, straggler_window=4)
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for _ in range(6):
+        ours.zero_grad()
+        ours(x).square().mean().backward()
+    report = ours.straggler_report()
+    assert report["measured"] and report["step"] == 6, report
+    assert report["lateness_ms"] == [0.0] and report["stragglers"] == [], report
+    assert 0 <= report["slack_ms"][0] < report["median_step_ms"] + 1.0, report
+    ours.close()
+
+
+def test_straggler_slack_counts_device_time_the_host_never_waited_for(nccl_world_of_one):
+    """A bucket whose collective the GPU finishes 30 ms after its gradients are ready (a comm
+    hook that sleeps on a side stream before its all-reduce; the host returns at once): the
+    slack is those 30 ms, which a host clock would not see."""
+    sleep_cycles = _gpu_sleep_ms(30)
+    side = torch.cuda.Stream()
+
+    def slow_allreduce(state, bucket):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+            future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda f: f.value()[0])
+
+    ours = fused_reducer.FusedReducer(_model(), backend="process_group", bucket_cap_mb=100,
+                                      straggler_interval=2, straggler_window=4)
+    ours.register_comm_hook(None, slow_allreduce)
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for _ in range(6):
+        ours.zero_grad()
+        ours(x).square().mean().backward()
+    torch.cuda.synchronize()
+    report = ours.straggler_report()
+    assert report["measured"] and 25.0 <= report["slack_ms"][0] <= 60.0, report
+    assert report["lateness_ms"] == [0.0], report
+    ours.close()
+
+
 def test_no_sync_on_gpu_accumulates_then_reduces(nccl_world_of_one):
     ours = fused_reducer.FusedReducer(_model(), backend="nccl")
     ref = _model()

@@ -332,6 +332,10 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         assert slow["named_at"] is not None and slow["named_at"] <= 10, slow
         assert slow["report"]["stragglers"] == [1] and slow["report"]["slowest"] == 1, slow
         assert slow["report"]["lateness_ms"][1] >= 30, slow["report"]
+        # The raw measurement: the punctual ranks' last buckets wait about the 40 ms, rank 1's not.
+        slack = slow["report"]["slack_ms"]
+        assert slow["report"]["measured"] and min(slack[r] for r in range(world) if r != 1) >= 20
+        assert slack[1] < 30, slow["report"]
         assert len(slow["warnings"]) == 1 and "rank 1 has been late" in slow["warnings"][0], slow
         assert "lateness of rank 1 (ms)" in slow["lateness_rows"], slow["lateness_rows"]
         assert balanced["named_ever"] == [], balanced

@@ -638,13 +638,17 @@ class FusedReducer(nn.Module, Joinable):
         slack] in ext/training_health.cpp), exchanged every `straggler_interval` steps (every
         step with check_finite): lateness_ms (per rank: how long after the earliest rank its
         buckets were ready, median of its last `straggler_window` steps; None: not measured),
+        slack_ms (per rank: how long its last bucket waited for the others, the same median),
         slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
         rank, steps late in a row), threshold_ms, median_step_ms, step (of the last exchange,
-        0: none yet), interval, window, measured (False on GPU buckets: not measured there).
-        The same on every rank; local, no collective."""
+        0: none yet), interval, window, measured (whether any rank's lateness is known yet).
+        On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
+        the compute stream, one step late (Note [Lateness from slack on the GPU] in
+        ext/reducer.cpp). The same on every rank; local, no collective."""
         report = dict(self._checked_reducer().straggler_report())
-        report["lateness_ms"] = [None if math.isnan(v) else v for v in report["lateness_ms"]]
-        report["measured"] = self.device.type == "cpu"
+        for key in ("lateness_ms", "slack_ms"):
+            report[key] = [None if math.isnan(v) else v for v in report[key]]
+        report["measured"] = any(v is not None for v in report["lateness_ms"])
         return report
 
     def grad_norm(self, norm_type=2.0):
