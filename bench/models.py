@@ -27,6 +27,17 @@ compared).
                heads, intermediate 512, BERT's vocabulary (30522), tied decoder; batch 4 x seq
                32. 4.4M parameters in 42 tensors.
 
+The held-out set (HOLDOUT, alias "holdout"): models the planner's cost model was never
+developed or tuned on, for its out-of-sample validation (docs/PLANNING.md section 4):
+
+  mobilenet_v2 torchvision mobilenet_v2(num_classes=10), batch 8 of 3 x 32 x 32: 2.2M
+               parameters in 158 tensors (depthwise convolutions, many small tensors).
+  densenet121  torchvision densenet121(num_classes=10), batch 4 of 3 x 32 x 32: 7.0M parameters
+               in 362 tensors (concatenating blocks: gradients ready in a long, even trickle).
+  llama        transformers LlamaForCausalLM from a small LlamaConfig: 2 layers, 128 wide, 2
+               heads, intermediate 512, a 32000 vocabulary, untied input and output embeddings
+               (two 16 MB tensors at the two ends of backward); batch 4 x seq 32.
+
 torchvision and transformers are optional (the bench extra: ``pip install .[bench]``); asking
 for a model whose library is missing raises MissingLibrary with that command.
 """
@@ -36,9 +47,11 @@ from torch import nn
 
 SYNTHETIC = ("large", "many-small")
 REAL = ("resnet18", "resnet18-cl", "resnet50", "resnet50-cl", "gpt2", "bert")
-MODELS = SYNTHETIC + REAL
+HOLDOUT = ("mobilenet_v2", "densenet121", "llama")
+MODELS = SYNTHETIC + REAL + HOLDOUT
 # Aliases accepted by --model: the issue-10 set is REAL + SYNTHETIC.
-ALIASES = {"synthetic": SYNTHETIC, "real": REAL, "all": REAL + SYNTHETIC}
+ALIASES = {"synthetic": SYNTHETIC, "real": REAL, "all": REAL + SYNTHETIC, "holdout": HOLDOUT}
+VISION = ("resnet18", "resnet18-cl", "resnet50", "resnet50-cl", "mobilenet_v2", "densenet121")
 
 # layers / hidden / batch / seq per model (seq: sequence length; for the ResNets the image side).
 MODEL_DEFAULTS = {
@@ -50,11 +63,15 @@ MODEL_DEFAULTS = {
     "resnet50-cl": {"layers": None, "hidden": None, "batch": 4, "seq": 32},
     "gpt2": {"layers": 2, "hidden": 128, "batch": 4, "seq": 32},
     "bert": {"layers": 2, "hidden": 128, "batch": 4, "seq": 32},
+    "mobilenet_v2": {"layers": None, "hidden": None, "batch": 8, "seq": 32},
+    "densenet121": {"layers": None, "hidden": None, "batch": 4, "seq": 32},
+    "llama": {"layers": 2, "hidden": 128, "batch": 4, "seq": 32},
 }
 LIBRARY = {"resnet18": "torchvision", "resnet18-cl": "torchvision", "resnet50": "torchvision",
-           "resnet50-cl": "torchvision", "gpt2": "transformers", "bert": "transformers"}
+           "resnet50-cl": "torchvision", "gpt2": "transformers", "bert": "transformers",
+           "mobilenet_v2": "torchvision", "densenet121": "torchvision", "llama": "transformers"}
 INSTALL_HINT = "pip install '.[bench]'  (torchvision 0.29.1 and transformers)"
-VOCAB = {"gpt2": 50257, "bert": 30522}
+VOCAB = {"gpt2": 50257, "bert": 30522, "llama": 32000}
 
 
 class MissingLibrary(RuntimeError):
@@ -135,10 +152,13 @@ class Logits(nn.Module):
         return self.model(input_ids=ids).logits
 
 
-def _resnet(name):
+def _vision(name):
     require(name)
     import torchvision
     model = getattr(torchvision.models, name.split("-")[0])(weights=None, num_classes=10)
+    for module in model.modules():  # dropout off (mobilenet_v2's classifier), as everywhere here
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     if name.endswith("-cl"):
         model = model.to(memory_format=torch.channels_last)
     return model
@@ -161,6 +181,16 @@ def _bert(layers, hidden):
                         max_position_embeddings=256, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, tie_word_embeddings=True)
     return Logits(BertForMaskedLM(config))
+
+
+def _llama(layers, hidden):
+    require("llama")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB["llama"], hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=4 * hidden, max_position_embeddings=256,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    return Logits(LlamaForCausalLM(config))
 
 
 class ModelSpec:
@@ -188,10 +218,12 @@ class ModelSpec:
             model = TransformerLike(self.layers, self.hidden)
         elif self.name == "many-small":
             model = ManySmall(self.layers, self.hidden)
-        elif self.name.startswith("resnet"):
-            model = _resnet(self.name)
+        elif self.name in VISION:
+            model = _vision(self.name)
         elif self.name == "gpt2":
             model = _gpt2(self.layers, self.hidden)
+        elif self.name == "llama":
+            model = _llama(self.layers, self.hidden)
         else:
             model = _bert(self.layers, self.hidden)
         model = model.to(device)
@@ -205,7 +237,7 @@ class ModelSpec:
             return torch.randn((self.batch, self.seq, self.hidden), generator=g).to(device)
         if self.name == "many-small":
             return torch.randn((self.batch, self.hidden), generator=g).to(device)
-        if self.name.startswith("resnet"):
+        if self.name in VISION:
             x = torch.randn((self.batch, 3, self.seq, self.seq), generator=g).to(device)
             return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
         return torch.randint(0, VOCAB[self.name], (self.batch, self.seq), generator=g).to(device)
@@ -215,12 +247,13 @@ class ModelSpec:
             return f"{self.layers} blocks x hidden {self.hidden}, batch {self.batch} x seq {self.seq}"
         if self.name == "many-small":
             return f"{self.layers} layers x hidden {self.hidden}, batch {self.batch}"
-        if self.name.startswith("resnet"):
+        if self.name in VISION:
             fmt = "channels_last" if self.channels_last else "contiguous"
             return (f"torchvision {self.name.split('-')[0]}(num_classes=10), {fmt}, batch "
                     f"{self.batch} x 3 x {self.seq} x {self.seq}")
-        what = ("GPT2LMHeadModel, 2 heads, tied embeddings" if self.name == "gpt2" else
-                "BertForMaskedLM, 2 heads, tied decoder")
+        what = {"gpt2": "GPT2LMHeadModel, 2 heads, tied embeddings",
+                "bert": "BertForMaskedLM, 2 heads, tied decoder",
+                "llama": "LlamaForCausalLM, 2 heads, untied embeddings"}[self.name]
         return (f"transformers {what}: {self.layers} layers x {self.hidden}, vocab "
                 f"{VOCAB[self.name]}, batch {self.batch} x seq {self.seq}")
 

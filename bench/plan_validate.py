@@ -221,7 +221,9 @@ def compare(args):
     print(f"# plan_validate: {args.sweep} (world {world}, {sweep['meta'].get('hostname')}, "
           f"{sweep['meta'].get('date')}), calibration {', '.join(args.calibrate)}, "
           f"overlap {planner.overlap} (cost "
-          + ", ".join(f"{m} {p.overlap_cost:.2f}" for m, p in planners.items()) + ")")
+          + ", ".join(f"{m} {p.overlap_cost:.2f}" for m, p in planners.items())
+          + "), transport progress during backward ("
+          + ", ".join(f"{m} {p.progress:.2f}" for m, p in planners.items()) + ")")
     print("#  model        first    cap  buckets(meas/pred)  measured ms  predicted ms  error %")
     for c in cells:
         print(f"   {c['model']:<11}{c['first_mb']:6g} {c['cap_mb']:6g}  {c['buckets_measured']:8d}/"
@@ -253,7 +255,8 @@ def compare(args):
         print(f"#   input {i['source']}: {i['input']}: {i['value']}")
     for model, p in planners.items():
         for i in p.inputs:
-            if i["input"] in ("overlap cost", "backward without contention"):
+            if i["input"] in ("overlap cost", "backward without contention",
+                              "transport progress during backward"):
                 print(f"#   input {model}: {i['source']}: {i['input']}: {i['value']} "
                       f"({i['detail']})")
     if args.json:
@@ -262,13 +265,42 @@ def compare(args):
                                       "overlap": planner.overlap,
                                       "overlap_cost": {m: p.overlap_cost
                                                        for m, p in planners.items()},
+                                      "progress": {m: p.progress for m, p in planners.items()},
                                       "cells": cells, "recorded_cells": recorded,
                                       "summary": summary, "inputs": planner.inputs})
         print(f"# wrote {args.json}")
     if args.plot:
         plot(args.plot, cells, summary, world)
         print(f"# wrote {args.plot}")
+    if args.reference:
+        write_reference(args, sweep, cells, recorded, planners)
     return 0
+
+
+def write_reference(args, sweep, cells, recorded, planners):
+    """Everything this comparison read (the profiles, the calibration files, the measured
+    cells) and what it predicted, in one file: tests/test_plan.py predicts the cells again and
+    fails when the model's predictions drift from these (or miss the measurements)."""
+    calibration = []
+    for path in args.calibrate:
+        with open(path) as f:
+            calibration.append(json.load(f))
+    profiles = {}
+    for model in planners:
+        with open(os.path.join(args.profiles, f"profile_{model}.json")) as f:
+            profiles[model] = json.load(f)
+    reference = {
+        "format": "fused_reducer.plan_reference", "sweep": args.sweep,
+        "world_size": int(sweep["meta"]["world_size"]), "measured": sweep["meta"].get("date"),
+        "calibration": calibration, "profiles": profiles,
+        "cells": [dict({k: c[k] for k in ("model", "first_mb", "cap_mb", "measured_ms",
+                                          "predicted_ms")}, recorded=c in recorded)
+                  for c in cells + recorded]}
+    common.ensure_parent(args.reference)
+    with open(args.reference, "w") as f:  # compact: it is committed with the tests
+        json.dump(reference, f, separators=(",", ":"))
+        f.write("\n")
+    print(f"# wrote {args.reference}")
 
 
 def summarise(cells):
@@ -396,6 +428,8 @@ def build_parser():
                            "profiles have a backward without communication)")
     cmp_.add_argument("--json", help="write cells and summary")
     cmp_.add_argument("--plot", help="predicted vs measured scatter PNG")
+    cmp_.add_argument("--reference", help="write the inputs, measurements and predictions as a "
+                      "reference file for tests/test_plan.py's drift test")
     for sp, steps in ((mea, 16), (rec, 10)):
         sp.add_argument("--model", type=step_bench._models, default=list(step_bench.MODELS),
                         help="comma list of step_bench models (default both)")

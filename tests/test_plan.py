@@ -94,6 +94,66 @@ def test_timeline_launches_in_order_one_collective_at_a_time():
     assert cost.predict_us(((0, 2), (1,)), sizes, ready, 70.0) == (t.free_us, t.contended_us)
 
 
+def test_a_transport_without_progress_during_backward_runs_everything_after_it():
+    """CostModel's progress: the transport's speed while backward computes, as a share of its
+    speed after. The timeline of test_timeline_launches_in_order_one_collective_at_a_time at
+    progress 0 (CPU ranks whose transport threads get no core until backward ends) and 0.5."""
+    from fused_reducer.costmodel import CostModel
+    sizes, ready = [1000, 1000, 2000], [5.0, 50.0, 20.0]
+    stalled = CostModel(lambda n: 10 + n / 100, 1e9, progress=0.0).simulate(
+        ((0, 2), (1,)), sizes, ready, 70.0)
+    # both collectives (40 and 20 us) run after backward ends at 70: nothing overlapped
+    assert stalled.free_us == pytest.approx(70 + 40 + 20)
+    assert stalled.overlapped_us == 0.0 and stalled.late_bytes == 4000
+    half = CostModel(lambda n: 10 + n / 100, 1e9, progress=0.5).simulate(
+        ((0, 2), (1,)), sizes, ready, 70.0)
+    # bucket (0, 2) from 20: 50 us of wall at half speed = 25 us of its 40 by 70; 15 left -> 85;
+    # bucket (1,) 85 -> 105
+    assert half.free_us == pytest.approx(105.0)
+    assert half.overlapped_us == pytest.approx(25.0) and half.late_bytes == 4000
+    with pytest.raises(ValueError, match="progress"):
+        CostModel(lambda n: 1.0, 1e9, progress=1.5)
+
+
+def test_progress_and_copy_back_are_measured_from_the_recorded_step():
+    """A profile with timing.late_bytes (the bytes unpacked after backward, measured): the
+    planner finds the progress at which the recorded layout's simulated communication after
+    backward equals the measured waits, and scales the copy back by the measured late bytes."""
+    from fused_reducer.plan import Planner
+
+    net = network()
+    profile = synthetic_profile(device="cpu", world=2)
+    free_exposed = Planner(profile, net, overlap="contended")
+    assert free_exposed.progress == 1.0  # no late_bytes: an older profile keeps full speed
+    layout = free_exposed.layout(free_exposed.incumbent)
+    for waits_us, expected in ((1e9, 0.0), (0.0, 1.0)):
+        p = json.loads(json.dumps(profile))
+        p["timing"].update(exposed_wait_us=waits_us, late_bytes=sum(
+            q["bytes"] for q in p["params"]))
+        assert Planner(p, net, overlap="contended").progress == expected
+    # in between: the fitted progress reproduces the measured waits
+    from fused_reducer.costmodel import CostModel, ProbedCollective
+    probe = profile["probe"]
+    recorded = ProbedCollective(probe["latency_us"], probe["bandwidth_GBps"] * 1e3)
+    compute = Planner(profile, net, overlap="free").compute
+
+    def exposed(progress):
+        return CostModel(recorded, compute.copy_bytes_per_us, progress).simulate(
+            layout, free_exposed.gradients.sizes, compute.ready_us,
+            compute.backward_end_us).exposed_us
+    target = (exposed(0.0) + exposed(1.0)) / 2
+    p = json.loads(json.dumps(profile))
+    p["timing"].update(exposed_wait_us=target, late_bytes=8 * MiB)
+    planner = Planner(p, net, overlap="contended")
+    assert 0.0 < planner.progress < 1.0
+    assert exposed(planner.progress) == pytest.approx(target, rel=1e-6)
+    assert any(i["input"] == "transport progress during backward" and i["source"] == "measured"
+               for i in planner.inputs)
+    assert planner.compute.finalize_bytes == 8 * MiB  # measured, not simulated
+    # --overlap free: the transport runs beside backward, whatever the recorded waits
+    assert Planner(p, net, overlap="free").progress == 1.0
+
+
 def test_step_adds_forward_copy_back_and_rest():
     from fused_reducer.costmodel import StepCompute, predict_step
     compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9)
@@ -647,3 +707,43 @@ def test_autotune_verify_measures_the_plans_layouts_and_flags_predictions_off_by
         assert "plan best 1" in r["doctored"]["report"]["verification"]["wrong"]
         if rank == 0:
             assert "WRONG" in r["doctored"]["printed"]
+
+
+# -- drift: the recorded validation runs, predicted again --------------------------------------
+
+REFERENCES = sorted(
+    os.path.join(os.path.dirname(__file__), "data", "plan_reference", name)
+    for name in os.listdir(os.path.join(os.path.dirname(__file__), "data", "plan_reference"))
+    if name.endswith(".json"))
+
+
+@pytest.mark.parametrize("path", REFERENCES, ids=os.path.basename)
+def test_predictions_of_the_recorded_validation_runs_do_not_drift(path, tmp_path):
+    """docs/PLANNING.md section 4's runs (profiles, calibration and measured cells, written by
+    `bench/plan_validate.py compare --reference`), predicted again with today's model: every
+    cell as recorded (a change to the cost model must re-validate and rewrite these files),
+    and still within the published error of the measurements."""
+    from fused_reducer.plan import Planner, build_network
+
+    with open(path) as f:
+        ref = json.load(f)
+    calibration = []
+    for i, data in enumerate(ref["calibration"]):
+        calibration.append(str(tmp_path / f"bw_{i}.json"))
+        with open(calibration[-1], "w") as f:
+            json.dump(data, f)
+    network, inputs, metas = build_network([], calibration)
+    world = ref["world_size"]
+    errors = {}
+    for model, profile in ref["profiles"].items():
+        planner = Planner(profile, network, list(inputs), "auto", 1.0, None, metas)
+        for cell in (c for c in ref["cells"] if c["model"] == model):
+            candidate = (int(cell["first_mb"] * MiB), int(cell["cap_mb"] * MiB), 0)
+            predicted_ms = planner.predict(candidate, world, world).step_us / 1e3
+            assert predicted_ms == pytest.approx(cell["predicted_ms"], rel=1e-6), (model, cell)
+            if not cell["recorded"]:  # the profile's own layout is the anchor, not a prediction
+                errors.setdefault(model, []).append(
+                    abs(predicted_ms - cell["measured_ms"]) / cell["measured_ms"])
+    limit = 0.10 if world == 2 else 0.15
+    for model, errs in errors.items():
+        assert statistics.median(errs) <= limit, (model, statistics.median(errs))

@@ -18,9 +18,10 @@ imports the other. docs/PLANNING.md describes it for users. Three parts:
    world size in use (the autotuner's probe).
 2. The backward timeline (`CostModel.simulate`): buckets launch strictly in order, each when
    its last gradient is ready (plus the copy into the bucket), and the transport runs one
-   collective at a time.
-3. The step (`predict_step`): forward + the timeline + copying results back + the rest of the
-   step (optimizer, data), from a recorded profile (`StepCompute`).
+   collective at a time, at a measured share of its speed (`progress`) while backward computes.
+3. The step (`predict_step`): forward + the timeline + copying the buckets whose collective
+   ends after backward back into .grad + the rest of the step (optimizer, data), from a
+   recorded profile (`StepCompute`).
 """
 import bisect
 import math
@@ -332,11 +333,20 @@ class CostModel:
                  with it + what is left after it.
     Between them, an overlap cost c in [0, 1] (measured from a profile, see plan.Planner):
     end = end of backward + c x overlapped + what is left after it (`Timeline.end_us`).
+
+    `progress` in [0, 1]: how fast the transport moves while backward computes, as a share of
+    its speed after backward (measured from a profile, see plan.Planner). 1 where it has its
+    own engine (NCCL on a GPU); near 0 where its threads wait for cores that backward holds
+    (CPU ranks on a fully loaded host): a collective launched during backward then mostly
+    runs after it. `overlapped` counts the transport's work done during backward.
     """
 
-    def __init__(self, collective_us, copy_bytes_per_us):
+    def __init__(self, collective_us, copy_bytes_per_us, progress=1.0):
+        if not 0.0 <= progress <= 1.0:
+            raise ValueError(f"progress must be in [0, 1], got {progress!r}")
         self.collective_us = collective_us
         self.copy_bytes_per_us = copy_bytes_per_us
+        self.progress = float(progress)
 
     @classmethod
     def from_probe(cls, latency_us, bytes_per_us, copy_bytes_per_us):
@@ -358,14 +368,24 @@ class CostModel:
             launch = max(launch, ready) + nbytes / self.copy_bytes_per_us
             start = max(transport_free, launch)
             duration = self.collective_us(nbytes)
-            transport_free = start + duration
+            transport_free, during = self._run(start, duration, backward_end_us)
             comm += duration
-            overlapped += max(0.0, min(transport_free, backward_end_us) - start)
+            overlapped += during
             if transport_free > backward_end_us:
                 late_bytes += nbytes
         exposed = max(0.0, transport_free - backward_end_us)
         return Timeline(backward_end_us + exposed, backward_end_us + overlapped + exposed,
                         exposed, overlapped, comm, late_bytes)
+
+    def _run(self, start, duration, backward_end_us):
+        """(end, work done during backward) of a collective of `duration` started at `start`:
+        at `progress` of its speed until backward ends, at full speed after."""
+        if start >= backward_end_us:
+            return start + duration, 0.0
+        window_work = (backward_end_us - start) * self.progress
+        if duration <= window_work:
+            return start + duration / self.progress, duration
+        return backward_end_us + duration - window_work, window_work
 
     def predict_us(self, layout, sizes, ready_us, backward_end_us):
         """(free, contended) end of the reduction, microseconds after the first gradient."""
@@ -432,7 +452,7 @@ def overlap_cost(overlap):
                      f"{overlap!r}")
 
 
-def predict_sharded_step(compute, layout, sizes, ring_pass_us, overlap="free"):
+def predict_sharded_step(compute, layout, sizes, ring_pass_us, overlap="free", progress=1.0):
     """Predicted step of `layout` in sharded mode (ShardedOptimizer): each bucket is
     reduce-scattered as it completes (the same timeline, at a ring pass's cost), nothing is
     copied back into .grad, and after the optimizer step every bucket's parameters are
@@ -440,18 +460,19 @@ def predict_sharded_step(compute, layout, sizes, ring_pass_us, overlap="free"):
     optimizer included) is kept whole: that each rank updates 1/world of the parameters is not
     modelled, so the prediction errs slow."""
     cost_of_overlap = overlap_cost(overlap)
-    cost = CostModel(ring_pass_us, compute.copy_bytes_per_us)
+    cost = CostModel(ring_pass_us, compute.copy_bytes_per_us, progress)
     t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
     gather = sum(ring_pass_us(sum(sizes[i] for i in bucket)) for bucket in layout)
     step = compute.forward_us + t.end_us(cost_of_overlap) + compute.other_us + gather
     return StepPrediction(step, t.exposed_us + gather, t.comm_us + gather, len(layout))
 
 
-def predict_step(compute, layout, sizes, collective_us, overlap="free"):
+def predict_step(compute, layout, sizes, collective_us, overlap="free", progress=1.0):
     """Predicted step of `layout`: forward + reduction timeline (`overlap`: "free",
-    "contended" or the cost in between, see CostModel) + copy back + the rest of the step."""
+    "contended" or the cost in between; `progress`: the transport's speed during backward, see
+    CostModel) + copy back + the rest of the step."""
     cost_of_overlap = overlap_cost(overlap)
-    cost = CostModel(collective_us, compute.copy_bytes_per_us)
+    cost = CostModel(collective_us, compute.copy_bytes_per_us, progress)
     t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
     end = t.end_us(cost_of_overlap)
     step = compute.forward_us + end + compute.finalize_for(t.late_bytes) + compute.other_us

@@ -232,11 +232,17 @@ class Planner:
         # --compute-scale moves the result to the target machine at the end.
         recorded, how = _recorded_collective(profile, network, calibration_metas or {})
         layout = tuple(tuple(b) for b in profile.get("buckets") or self.layout(self.incumbent))
+        self.progress = self._measured_progress(compute, layout, recorded, how, timing)
         compute = self._without_recorded_contention(compute, layout, recorded, how, timing)
         # The recorded copy back was that of the recorded layout's late buckets: per layout it
-        # scales with the bytes of its own (the rest is unpacked while backward goes on).
-        compute.finalize_bytes = CostModel(recorded, compute.copy_bytes_per_us).simulate(
-            layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).late_bytes
+        # scales with the bytes of its own (the rest is unpacked while backward goes on). The
+        # profile says which they were (timing.late_bytes); older ones: the simulated ones.
+        compute.finalize_bytes = timing.get("late_bytes")
+        if compute.finalize_bytes is None:
+            compute.finalize_bytes = CostModel(
+                recorded, compute.copy_bytes_per_us, self.progress).simulate(
+                layout, self.gradients.sizes, compute.ready_us,
+                compute.backward_end_us).late_bytes
         residual_us = self._unmodelled_time(compute, layout, recorded, how, timing,
                                             compute_scale)
         self.residual_us = residual_us * compute_scale
@@ -246,11 +252,43 @@ class Planner:
                                       "--compute-scale"))
         self.compute = compute
 
+    def _measured_progress(self, compute, layout, recorded, how, timing):
+        """The transport's speed during backward (CostModel's `progress`), from the recorded
+        step: the value at which the recorded layout's simulated communication after backward
+        equals the waits measured after it (timing.exposed_wait_us), within [0, 1]. Less
+        progress leaves more after backward, so it is found by bisection. Profiles without
+        timing.late_bytes (written before it was measured), and --overlap free, keep 1."""
+        if (self.overlap == "free" or timing.get("late_bytes") is None
+                or timing.get("exposed_wait_us") is None):
+            return 1.0  # free overlap: the transport runs beside backward at full speed
+        measured_us = float(timing["exposed_wait_us"])
+
+        def exposed(progress):
+            return CostModel(recorded, compute.copy_bytes_per_us, progress).simulate(
+                layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).exposed_us
+
+        low, high = 0.0, 1.0
+        if measured_us >= exposed(low):
+            progress = low
+        elif measured_us <= exposed(high):
+            progress = high
+        else:
+            for _ in range(40):
+                mid = (low + high) / 2
+                low, high = (mid, high) if exposed(mid) > measured_us else (low, mid)
+            progress = (low + high) / 2
+        self.inputs.append(_input(
+            "transport progress during backward", f"{progress:.2f} of its speed after backward",
+            "measured", f"waits after backward {measured_us / 1e3:.2f} ms in the recorded step; "
+            f"simulated communication after backward {exposed(0.0) / 1e3:.2f} ms at no "
+            f"progress, {exposed(1.0) / 1e3:.2f} ms at full speed ({how})"))
+        return progress
+
     def _without_recorded_contention(self, compute, layout, recorded, how, timing):
         """Sets self.overlap_cost, what overlapped communication costs backward (0: free .. 1:
         its whole duration), and returns the compute without what the recorded backward paid
         for its own overlap (simulated with the link the profile was recorded on)."""
-        overlapped_us = CostModel(recorded, compute.copy_bytes_per_us).simulate(
+        overlapped_us = CostModel(recorded, compute.copy_bytes_per_us, self.progress).simulate(
             layout, self.gradients.sizes, compute.ready_us, compute.backward_end_us).overlapped_us
         if self.overlap == "measured":
             # The cost that turns the backward measured without communication into the
@@ -282,7 +320,7 @@ class Planner:
         if measured_step_us <= 0:
             return 0.0
         modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
-                                self.overlap_cost)
+                                self.overlap_cost, self.progress)
         residual_us = measured_step_us - modelled.step_us
         self.inputs.append(_input(
             "unmodelled time per step", f"{residual_us / 1e3:+.2f} ms"
@@ -302,13 +340,15 @@ class Planner:
     def predict_layout(self, layout, world, per_node):
         """costmodel.StepPrediction of a layout (parameter indices per bucket)."""
         p = predict_step(self.compute, layout, self.gradients.sizes,
-                         self.network.collective(world, per_node), self.overlap_cost)
+                         self.network.collective(world, per_node), self.overlap_cost,
+                         self.progress)
         return p._replace(step_us=p.step_us + self.residual_us)
 
     def predict_sharded_layout(self, layout, world, per_node):
         """The same layout in sharded mode (ShardedOptimizer: reduce-scatter + all-gather)."""
         p = predict_sharded_step(self.compute, layout, self.gradients.sizes,
-                                 self.network.ring_pass(world, per_node), self.overlap_cost)
+                                 self.network.ring_pass(world, per_node), self.overlap_cost,
+                                 self.progress)
         return p._replace(step_us=p.step_us + self.residual_us)
 
 

@@ -110,14 +110,15 @@ def export_profile(model, path):
 
 
 _PHASES = ("forward_us", "backward_end_us", "finalize_us", "other_us", "step_us",
-           "exposed_wait_us")
+           "exposed_wait_us", "late_bytes")
 
 
 def _step_phases(history):
     """Median phases of the recorded steps (us): forward start -> first gradient, first gradient
     -> end of backward, copying results back after backward (waits excluded), gradients written
     back -> next forward (optimizer, zero_grad, data), forward to forward, exposed waits; and
-    the copy rate into buckets."""
+    the copy rate into buckets; late_bytes: the bytes of the buckets unpacked after backward
+    (their collective had not completed when it ended), which finalize_us copied back."""
     forward = [-s["forward_us"] for s in history]
     backward = [s["backward_end_us"] for s in history]
     finalize = [max(0.0, s["finalize_end_us"] - s["backward_end_us"] - s["exposed_wait_us"])
@@ -141,6 +142,10 @@ def _step_phases(history):
             "other_us": statistics.median(other) if other else 0.0,
             "step_us": statistics.median(period) if period else statistics.median(steps),
             "exposed_wait_us": statistics.median(s["exposed_wait_us"] for s in history),
+            "late_bytes": statistics.median(
+                sum(b["bytes"] for b in s["buckets"]
+                    if b["complete_us"] is not None and b["complete_us"] >= s["backward_end_us"])
+                for s in history),
             "copy_GBps": copy_GBps}
 
 
