@@ -33,7 +33,7 @@ developed or tuned on, for its out-of-sample validation (docs/PLANNING.md sectio
   mobilenet_v2 torchvision mobilenet_v2(num_classes=10), batch 8 of 3 x 32 x 32: 2.2M
                parameters in 158 tensors (depthwise convolutions, many small tensors).
   densenet121  torchvision densenet121(num_classes=10), batch 4 of 3 x 32 x 32: 7.0M parameters
-               in 362 tensors (concatenating blocks: gradients ready in a long, even trickle).
+               in 364 tensors (concatenating blocks: gradients ready in a long, even trickle).
   llama        transformers LlamaForCausalLM from a small LlamaConfig: 2 layers, 128 wide, 2
                heads, intermediate 512, a 32000 vocabulary, untied input and output embeddings
                (two 16 MB tensors at the two ends of backward); batch 4 x seq 32.

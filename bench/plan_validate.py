@@ -431,8 +431,9 @@ def build_parser():
     cmp_.add_argument("--reference", help="write the inputs, measurements and predictions as a "
                       "reference file for tests/test_plan.py's drift test")
     for sp, steps in ((mea, 16), (rec, 10)):
-        sp.add_argument("--model", type=step_bench._models, default=list(step_bench.MODELS),
-                        help="comma list of step_bench models (default both)")
+        sp.add_argument("--model", type=step_bench._models, default=["large", "many-small"],
+                        help="comma list of step_bench models or sets (synthetic, real, "
+                             "holdout; default: the synthetic two)")
         sp.add_argument("--first-mb", type=float, default=1.0,
                         help="first bucket of the recorded run, MiB (default 1, DDP's)")
         sp.add_argument("--cap-mb", type=float, default=25.0,

@@ -815,35 +815,44 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
 // See Note [Lateness from slack]: from the last reduced bucket being ready to its
 // collective being seen complete. On CPU both are host clock readings of this step. On a
 // GPU the host runs ahead of the device, so its clock says when work was queued, not done:
-// Note [Lateness from slack on the GPU].
-double Reducer::last_bucket_slack_ms() {
+// Note [Lateness from slack on the GPU]. `exchanging`: this step exchanges the health row.
+std::vector<double> Reducer::take_slack_samples(bool exchanging) {
   if (params_.front().is_cpu()) {
     for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
       if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
-        return (it->timing.complete_us - it->timing.ready_last_us) / 1000.0;
+        return {(it->timing.complete_us - it->timing.ready_last_us) / 1000.0};
       }
     }
-    return kNaN;
+    return {};
   }
   // Note [Lateness from slack on the GPU]
   // The same slack on the device's own clock: a timing event on the compute stream after the
   // last launched bucket's copy (its gradients ready on the GPU), another after the stream
   // waited for its collective (complete on the GPU); their elapsed time is the slack. Reading
-  // it needs both events done, which this step's are not yet (no host sync in backward): the
-  // previous step's pair is read instead, if the device finished it, else that sample is
-  // skipped (the report is a median over steps). Two slots in turn.
-  double slack = kNaN;
-  SlackEvents& previous = slack_events_[slack_slot_ ^ 1];
-  if (previous.recorded && previous.complete->query()) {
-    slack = previous.ready->elapsedTime(*previous.complete);
+  // it needs both events done, and backward does not wait for the device: each step records
+  // into the next of kSlackSlots pairs, and every step reads the pairs the device has finished
+  // (a query, no wait), oldest first. A step that exchanges the health row first waits for its
+  // own pair: the exchange reads its result back to the host anyway (Note [Health exchange]),
+  // which waits for the same work. A pair still unread when its slot comes round again (the
+  // host kSlackSlots steps ahead) is dropped; the report is a median over the samples.
+  std::vector<double> samples;
+  if (exchanging && slack_events_[slack_slot_].recorded) {
+    slack_events_[slack_slot_].complete->synchronize();
   }
-  previous.recorded = false;
-  slack_slot_ ^= 1;  // the next step records into the pair just read
-  return slack;
+  for (size_t age = 1; age <= kSlackSlots; ++age) {
+    SlackEvents& events = slack_events_[(slack_slot_ + age) % kSlackSlots];  // oldest first
+    if (events.recorded && events.ready->query() && events.complete->query()) {
+      samples.push_back(events.ready->elapsedTime(*events.complete));
+      events.recorded = false;
+    }
+  }
+  slack_slot_ = (slack_slot_ + 1) % kSlackSlots;
+  slack_events_[slack_slot_].recorded = false;  // overwritten from now on
+  return samples;
 }
 
 // Records this step's ready (after a bucket's launch) or complete (after a bucket's wait)
-// event on the current stream; the last of each in a step is what last_bucket_slack_ms
+// event on the current stream; the last of each in a step is what take_slack_samples
 // reads. GPU only, and only when the straggler exchange is on.
 void Reducer::record_slack_event(bool complete) {
   const at::Tensor& first = params_.front();
@@ -869,7 +878,7 @@ void Reducer::record_slack_event(bool complete) {
 // row names the parameters. Returns the check_finite error, the same text on every rank.
 std::string Reducer::exchange_health(bool joined) {
   const bool due = joined ? health_.shadow_step()
-                          : health_.end_step(last_bucket_slack_ms(),
+                          : health_.end_step(take_slack_samples(health_.next_step_exchanges()),
                                              (now_us() - forward_time_) / 1000.0);
   if (!due) {
     return "";

@@ -288,7 +288,7 @@ class Reducer {
   CopyStats pack_stats() const;
   CopyStats unpack_stats() const;
   void snapshot_gradients();
-  double last_bucket_slack_ms();
+  std::vector<double> take_slack_samples(bool exchanging);
   void record_slack_event(bool complete);
   std::string exchange_health(bool joined);
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
@@ -372,14 +372,15 @@ class Reducer {
   // this step (check_finite); norms_ and the gradients they describe: see copy_norms().
   TrainingHealth health_;
   // GPU buckets: the slack on the device's clock (Note [Lateness from slack on the GPU]), one
-  // pair of timing events per step, two steps in turn: this step's are recorded while the
-  // last step's are read.
+  // pair of timing events per step, kSlackSlots steps in turn: a pair is read once the device
+  // has finished it.
   struct SlackEvents {
     std::optional<c10::Event> ready;     // after the last launched bucket's copy
     std::optional<c10::Event> complete;  // after the wait for the last bucket's collective
     bool recorded = false;
   };
-  std::array<SlackEvents, 2> slack_events_;
+  static constexpr size_t kSlackSlots = 4;
+  std::array<SlackEvents, kSlackSlots> slack_events_;
   size_t slack_slot_ = 0;
   std::function<void(const std::string&)> nonfinite_handler_;
   at::Tensor nonfinite_;

@@ -57,21 +57,29 @@ TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
   report_.window = options_.straggler_window;
 }
 
-bool TrainingHealth::end_step(double slack_ms, double step_ms) {
-  slack_ms_.push_back(slack_ms);
+bool TrainingHealth::end_step(const std::vector<double>& slack_ms, double step_ms) {
+  slack_ms_.insert(slack_ms_.end(), slack_ms.begin(), slack_ms.end());
   step_ms_.push_back(step_ms);
   while (static_cast<int64_t>(slack_ms_.size()) > options_.straggler_window) {
     slack_ms_.pop_front();
+  }
+  while (static_cast<int64_t>(step_ms_.size()) > options_.straggler_window) {
     step_ms_.pop_front();
   }
   return shadow_step();
 }
 
-bool TrainingHealth::shadow_step() {
-  steps_ += 1;
+bool TrainingHealth::next_step_exchanges() const {
+  const int64_t next = steps_ + 1;
   const bool stragglers_due =
-      options_.straggler_interval > 0 && steps_ % options_.straggler_interval == 0;
+      options_.straggler_interval > 0 && next % options_.straggler_interval == 0;
   return options_.check_finite || stragglers_due;
+}
+
+bool TrainingHealth::shadow_step() {
+  const bool due = next_step_exchanges();
+  steps_ += 1;
+  return due;
 }
 
 at::Tensor TrainingHealth::row(int64_t nonfinite, bool joined) const {

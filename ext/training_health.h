@@ -48,10 +48,14 @@ class TrainingHealth {
 
   const HealthOptions& options() const { return options_; }
 
-  // One synchronised step of this rank ended: its last bucket waited `slack_ms` for
-  // the others (NaN: not measured), its forward + backward took `step_ms`. Returns
-  // whether this step exchanges (every rank decides alike: same count of steps).
-  bool end_step(double slack_ms, double step_ms);
+  // Whether the next synchronised step exchanges (every rank decides alike: same count of
+  // steps).
+  bool next_step_exchanges() const;
+  // One synchronised step of this rank ended: `slack_ms` are the slacks measured since the
+  // last call (how long a step's last bucket waited for the others: this step's on CPU; on
+  // GPU those of the steps whose timing events the device has finished, none or several),
+  // its forward + backward took `step_ms`. Returns next_step_exchanges() as it was.
+  bool end_step(const std::vector<double>& slack_ms, double step_ms);
   // A joined rank shadowed one step of the others (join): same decision, no sample.
   bool shadow_step();
 

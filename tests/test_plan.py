@@ -113,6 +113,9 @@ def test_a_transport_without_progress_during_backward_runs_everything_after_it()
     assert half.overlapped_us == pytest.approx(25.0) and half.late_bytes == 4000
     with pytest.raises(ValueError, match="progress"):
         CostModel(lambda n: 1.0, 1e9, progress=1.5)
+    # a free collective (a calibration whose fixed costs fit to 0, a tiny bucket) at no progress
+    assert CostModel(lambda n: 0.0, 1e9, progress=0.0).simulate(
+        ((0,),), [16], [5.0], 70.0).free_us == pytest.approx(70.0)
 
 
 def test_progress_and_copy_back_are_measured_from_the_recorded_step():
@@ -121,37 +124,42 @@ def test_progress_and_copy_back_are_measured_from_the_recorded_step():
     backward equals the measured waits, and scales the copy back by the measured late bytes."""
     from fused_reducer.plan import Planner
 
-    net = network()
+    # a slow link, calibrated on the host the profile was recorded on ("test")
+    net = network(intra_bw=2e3)
+    here = {2: {"hostname": "test"}}
     profile = synthetic_profile(device="cpu", world=2)
-    free_exposed = Planner(profile, net, overlap="contended")
+    free_exposed = Planner(profile, net, overlap="contended", calibration_metas=here)
     assert free_exposed.progress == 1.0  # no late_bytes: an older profile keeps full speed
     layout = free_exposed.layout(free_exposed.incumbent)
     for waits_us, expected in ((1e9, 0.0), (0.0, 1.0)):
         p = json.loads(json.dumps(profile))
         p["timing"].update(exposed_wait_us=waits_us, late_bytes=sum(
             q["bytes"] for q in p["params"]))
-        assert Planner(p, net, overlap="contended").progress == expected
+        assert Planner(p, net, overlap="contended", calibration_metas=here).progress == expected
+        # progress is the recorded host's: predicting another link (no calibration of that
+        # host) keeps full speed
+        assert Planner(p, net, overlap="contended").progress == 1.0
     # in between: the fitted progress reproduces the measured waits
-    from fused_reducer.costmodel import CostModel, ProbedCollective
-    probe = profile["probe"]
-    recorded = ProbedCollective(probe["latency_us"], probe["bandwidth_GBps"] * 1e3)
+    from fused_reducer.costmodel import CostModel
+    recorded = net.collective(2, 2)
     compute = Planner(profile, net, overlap="free").compute
 
     def exposed(progress):
         return CostModel(recorded, compute.copy_bytes_per_us, progress).simulate(
             layout, free_exposed.gradients.sizes, compute.ready_us,
             compute.backward_end_us).exposed_us
+    assert exposed(0.0) > exposed(1.0)
     target = (exposed(0.0) + exposed(1.0)) / 2
     p = json.loads(json.dumps(profile))
     p["timing"].update(exposed_wait_us=target, late_bytes=8 * MiB)
-    planner = Planner(p, net, overlap="contended")
+    planner = Planner(p, net, overlap="contended", calibration_metas=here)
     assert 0.0 < planner.progress < 1.0
     assert exposed(planner.progress) == pytest.approx(target, rel=1e-6)
     assert any(i["input"] == "transport progress during backward" and i["source"] == "measured"
                for i in planner.inputs)
     assert planner.compute.finalize_bytes == 8 * MiB  # measured, not simulated
     # --overlap free: the transport runs beside backward, whatever the recorded waits
-    assert Planner(p, net, overlap="free").progress == 1.0
+    assert Planner(p, net, overlap="free", calibration_metas=here).progress == 1.0
 
 
 def test_step_adds_forward_copy_back_and_rest():

@@ -383,7 +383,7 @@ class CostModel:
         if start >= backward_end_us:
             return start + duration, 0.0
         window_work = (backward_end_us - start) * self.progress
-        if duration <= window_work:
+        if self.progress > 0 and duration <= window_work:
             return start + duration / self.progress, duration
         return backward_end_us + duration - window_work, window_work
 

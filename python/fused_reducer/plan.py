@@ -257,10 +257,19 @@ class Planner:
         step: the value at which the recorded layout's simulated communication after backward
         equals the waits measured after it (timing.exposed_wait_us), within [0, 1]. Less
         progress leaves more after backward, so it is found by bisection. Profiles without
-        timing.late_bytes (written before it was measured), and --overlap free, keep 1."""
+        timing.late_bytes (written before it was measured), --overlap free, and predictions
+        for another link than a calibration of the recorded host keep 1."""
         if (self.overlap == "free" or timing.get("late_bytes") is None
                 or timing.get("exposed_wait_us") is None):
             return 1.0  # free overlap: the transport runs beside backward at full speed
+        if not how.startswith("calibration"):
+            # Progress belongs to the recorded machine and its transport: it predicts only that
+            # machine's link (a calibration measured on it), not a network of presets.
+            self.inputs.append(_input(
+                "transport progress during backward", "1.00 (full speed)", "assumed",
+                "measured only when --calibrate describes the host the profile was recorded "
+                "on; predicting another network"))
+            return 1.0
         measured_us = float(timing["exposed_wait_us"])
 
         def exposed(progress):

@@ -643,8 +643,8 @@ class FusedReducer(nn.Module, Joinable):
         rank, steps late in a row), threshold_ms, median_step_ms, step (of the last exchange,
         0: none yet), interval, window, measured (whether any rank's lateness is known yet).
         On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
-        the compute stream, one step late (Note [Lateness from slack on the GPU] in
-        ext/reducer.cpp). The same on every rank; local, no collective."""
+        the compute stream, once the device has finished them (Note [Lateness from slack on
+        the GPU] in ext/reducer.cpp). The same on every rank; local, no collective."""
         report = dict(self._checked_reducer().straggler_report())
         for key in ("lateness_ms", "slack_ms"):
             report[key] = [None if math.isnan(v) else v for v in report[key]]
