@@ -162,6 +162,49 @@ def test_progress_and_copy_back_are_measured_from_the_recorded_step():
     assert Planner(p, net, overlap="free", calibration_metas=here).progress == 1.0
 
 
+def test_buckets_after_the_first_late_one_wait_for_the_ranks_copy_backs():
+    """Planner.wait_share: from the recorded step's buckets copied back after backward, how much
+    longer each after the first waited than its collective, per unit of the copy back before
+    it; predict_step charges that share of every late bucket's copy back but the last."""
+    from fused_reducer.costmodel import StepCompute, predict_step
+    from fused_reducer.plan import Planner
+
+    net = network(intra_bw=2e3)
+    here = {2: {"hostname": "test"}}
+    profile = synthetic_profile(device="cpu", world=2)
+    planner = Planner(profile, net, overlap="contended", calibration_metas=here)
+    layout = planner.layout(planner.incumbent)
+    sizes = planner.gradients.sizes
+    collective = net.collective(2, 2)
+    n = len(layout)
+    assert n >= 3
+    # every bucket late; each after the first waits its collective + 0.25 x the copy back before
+    copy_backs = [1000.0 * (k + 1) for k in range(n - 1)] + [None]
+    waits = [5000.0] + [collective(sum(sizes[i] for i in layout[k])) + 0.25 * copy_backs[k - 1]
+                        for k in range(1, n)]
+    p = json.loads(json.dumps(profile))
+    p["timing"].update(bucket_waits_us=waits, bucket_copy_backs_us=copy_backs)
+    measured = Planner(p, net, overlap="contended", calibration_metas=here)
+    assert measured.wait_share == pytest.approx(0.25)
+    assert any(i["input"] == "wait for the ranks' copy backs" for i in measured.inputs)
+    assert Planner(p, net, overlap="contended").wait_share == 0.0  # another link: not measured
+    # at most the whole copy back: more is skew the step had anyway
+    skewed = json.loads(json.dumps(p))
+    skewed["timing"]["bucket_waits_us"] = [w + 1e6 for w in waits]
+    assert Planner(skewed, net, overlap="contended", calibration_metas=here).wait_share == 1.0
+    assert planner.wait_share == 0.0  # an older profile without per-bucket timing
+    # predict_step: two late buckets of 1000 and 3000 bytes, copy back 1 us per byte recorded
+    compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 4000.0, 3.0, 1e9, finalize_bytes=4000)
+    slow = lambda n: 1e6  # noqa: E731 - every bucket ends after backward
+    base = predict_step(compute, ((1,), (0, 2)), [1000, 1000, 2000], slow).step_us
+    shared = predict_step(compute, ((1,), (0, 2)), [1000, 1000, 2000], slow,
+                          wait_share=0.5).step_us
+    assert shared - base == pytest.approx(0.5 * 1000)  # half of the first bucket's copy back
+    one = ((0, 1, 2),)
+    assert predict_step(compute, one, [1000, 1000, 2000], slow, wait_share=0.5).step_us == \
+        pytest.approx(predict_step(compute, one, [1000, 1000, 2000], slow).step_us)
+
+
 def test_step_adds_forward_copy_back_and_rest():
     from fused_reducer.costmodel import StepCompute, predict_step
     compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9)

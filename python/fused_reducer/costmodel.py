@@ -467,13 +467,20 @@ def predict_sharded_step(compute, layout, sizes, ring_pass_us, overlap="free", p
     return StepPrediction(step, t.exposed_us + gather, t.comm_us + gather, len(layout))
 
 
-def predict_step(compute, layout, sizes, collective_us, overlap="free", progress=1.0):
+def predict_step(compute, layout, sizes, collective_us, overlap="free", progress=1.0,
+                 wait_share=0.0):
     """Predicted step of `layout`: forward + reduction timeline (`overlap`: "free",
     "contended" or the cost in between; `progress`: the transport's speed during backward, see
-    CostModel) + copy back + the rest of the step."""
+    CostModel) + copy back + the rest of the step. `wait_share`: each bucket copied back after
+    backward but the last makes the next one's wait longer by that share of its copy back (the
+    ranks' copy backs do not end together; measured by plan.Planner)."""
     cost_of_overlap = overlap_cost(overlap)
     cost = CostModel(collective_us, compute.copy_bytes_per_us, progress)
     t = cost.simulate(layout, sizes, compute.ready_us, compute.backward_end_us)
     end = t.end_us(cost_of_overlap)
-    step = compute.forward_us + end + compute.finalize_for(t.late_bytes) + compute.other_us
+    copy_back = compute.finalize_for(t.late_bytes)
+    if wait_share and t.late_bytes:  # the last bucket is late whenever any is
+        last_bytes = sum(sizes[i] for i in layout[-1])
+        copy_back += wait_share * compute.finalize_for(t.late_bytes - last_bytes)
+    step = compute.forward_us + end + copy_back + compute.other_us
     return StepPrediction(step, t.exposed_us, t.comm_us, len(layout))

@@ -243,6 +243,7 @@ class Planner:
                 recorded, compute.copy_bytes_per_us, self.progress).simulate(
                 layout, self.gradients.sizes, compute.ready_us,
                 compute.backward_end_us).late_bytes
+        self.wait_share = self._measured_wait_share(compute, layout, recorded, how, timing)
         residual_us = self._unmodelled_time(compute, layout, recorded, how, timing,
                                             compute_scale)
         self.residual_us = residual_us * compute_scale
@@ -293,6 +294,39 @@ class Planner:
             f"progress, {exposed(1.0) / 1e3:.2f} ms at full speed ({how})"))
         return progress
 
+    def _measured_wait_share(self, compute, layout, recorded, how, timing):
+        """How much longer a bucket waits after backward than its collective takes, per unit
+        of the previous bucket's copy back (costmodel.predict_step's `wait_share`), from the
+        recorded step's buckets after the first late one: sum over them of (wait - collective)
+        / sum of the copy backs before their waits. The ranks copy back in parallel and a
+        collective needs every rank, so what one rank's copy back takes longer than another's
+        is waited for. 0 without the per-bucket timing (older profiles), or when predicting
+        another link than a calibration of the recorded host."""
+        waits, copy_backs = timing.get("bucket_waits_us"), timing.get("bucket_copy_backs_us")
+        if not waits or not copy_backs or not how.startswith("calibration"):
+            return 0.0
+        if len(waits) != len(layout) or len(copy_backs) != len(layout):
+            return 0.0  # recorded with another layout than the profile's
+        sizes = self.gradients.sizes
+        excess, copied = 0.0, 0.0
+        for k in range(1, len(layout)):
+            if copy_backs[k - 1] is None:
+                continue  # bucket k - 1 was unpacked during backward, or k was
+            nbytes = sum(sizes[i] for i in layout[k])
+            excess += max(0.0, waits[k] - recorded(nbytes))
+            copied += copy_backs[k - 1]
+        if copied <= 0:
+            return 0.0
+        # At most the whole copy back (one rank copying back while another waits); more is
+        # skew the step had anyway (the end of backward on the slowest rank), not this.
+        share = min(1.0, excess / copied)
+        self.inputs.append(_input(
+            "wait for the ranks' copy backs", f"{share:.2f} of the previous bucket's copy back",
+            "measured", f"buckets after the first one copied back after backward in the "
+            f"recorded step: waits beyond their collectives {excess / 1e3:.2f} ms over copy "
+            f"backs {copied / 1e3:.2f} ms ({how})"))
+        return share
+
     def _without_recorded_contention(self, compute, layout, recorded, how, timing):
         """Sets self.overlap_cost, what overlapped communication costs backward (0: free .. 1:
         its whole duration), and returns the compute without what the recorded backward paid
@@ -329,7 +363,7 @@ class Planner:
         if measured_step_us <= 0:
             return 0.0
         modelled = predict_step(compute, layout, self.gradients.sizes, recorded,
-                                self.overlap_cost, self.progress)
+                                self.overlap_cost, self.progress, self.wait_share)
         residual_us = measured_step_us - modelled.step_us
         self.inputs.append(_input(
             "unmodelled time per step", f"{residual_us / 1e3:+.2f} ms"
@@ -350,7 +384,7 @@ class Planner:
         """costmodel.StepPrediction of a layout (parameter indices per bucket)."""
         p = predict_step(self.compute, layout, self.gradients.sizes,
                          self.network.collective(world, per_node), self.overlap_cost,
-                         self.progress)
+                         self.progress, self.wait_share)
         return p._replace(step_us=p.step_us + self.residual_us)
 
     def predict_sharded_layout(self, layout, world, per_node):

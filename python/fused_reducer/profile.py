@@ -73,6 +73,13 @@ def export_profile(model, path):
     if agreed[:k] == numbers and [-n for n in agreed[k:2 * k]] == numbers:
         phases["backward_end_us"] = statistics.median(agreed[2 * k:])
     stretch = phases["backward_end_us"] / local_backward_us if local_backward_us > 0 else 1.0
+    # Per bucket after backward: the mean over ranks of each rank's medians (one SUM all-reduce;
+    # NaN where a bucket had no such copy back).
+    waits, copy_backs = _late_bucket_phases(history)
+    summed = control_allreduce(waits + copy_backs, dist.ReduceOp.SUM, group, control)
+    phases["bucket_waits_us"] = [v / world for v in summed[:len(waits)]]
+    phases["bucket_copy_backs_us"] = [None if math.isnan(v) else v / world
+                                      for v in summed[len(waits):]]
 
     params = [p for p in model.module.parameters() if p.requires_grad]
     info = ParamInfo(params, model.reduce_dtype)
@@ -147,6 +154,31 @@ def _step_phases(history):
                     if b["complete_us"] is not None and b["complete_us"] >= s["backward_end_us"])
                 for s in history),
             "copy_GBps": copy_GBps}
+
+
+def _late_bucket_phases(history):
+    """Per bucket of the last step's layout, medians over the recorded steps with that layout:
+    how long the end of backward waited for it (0: unpacked during backward), and how long its
+    copy back into .grad took before the next bucket's wait began (NaN: the last bucket, or one
+    unpacked during backward). The planner reads from them how long a bucket after backward
+    waits beyond its collective for the ranks' previous copy backs (plan.Planner)."""
+    last = history[-1]
+    sizes = [b["bytes"] for b in last["buckets"]]
+    same = [s for s in history if [b["bytes"] for b in s["buckets"]] == sizes]
+    waits = [[] for _ in sizes]
+    copy_backs = [[] for _ in sizes]
+    for step in same:
+        buckets = step["buckets"]
+        late = [b["complete_us"] is not None and b["complete_us"] >= step["backward_end_us"]
+                for b in buckets]
+        for k, bucket in enumerate(buckets):
+            waits[k].append((bucket["wait_us"] or 0.0) if late[k] else 0.0)
+            if late[k] and k + 1 < len(buckets) and late[k + 1]:
+                following = buckets[k + 1]
+                started_waiting = following["complete_us"] - (following["wait_us"] or 0.0)
+                copy_backs[k].append(max(0.0, started_waiting - bucket["complete_us"]))
+    return ([statistics.median(w) for w in waits],
+            [statistics.median(c) if c else math.nan for c in copy_backs])
 
 
 def _median_ready_times(last_ready, history, stretch):
