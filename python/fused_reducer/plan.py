@@ -232,6 +232,9 @@ class Planner:
         # --compute-scale moves the result to the target machine at the end.
         recorded, how = _recorded_collective(profile, network, calibration_metas or {})
         layout = tuple(tuple(b) for b in profile.get("buckets") or self.layout(self.incumbent))
+        # Progress and the wait share belong to the recorded machine and its transport: they
+        # apply when predicting that machine's link (a calibration measured on it), not presets.
+        self.on_recorded_link = how.startswith("calibration")
         self.progress = self._measured_progress(compute, layout, recorded, how, timing)
         compute = self._without_recorded_contention(compute, layout, recorded, how, timing)
         # The recorded copy back was that of the recorded layout's late buckets: per layout it
@@ -263,9 +266,7 @@ class Planner:
         if (self.overlap == "free" or timing.get("late_bytes") is None
                 or timing.get("exposed_wait_us") is None):
             return 1.0  # free overlap: the transport runs beside backward at full speed
-        if not how.startswith("calibration"):
-            # Progress belongs to the recorded machine and its transport: it predicts only that
-            # machine's link (a calibration measured on it), not a network of presets.
+        if not self.on_recorded_link:
             self.inputs.append(_input(
                 "transport progress during backward", "1.00 (full speed)", "assumed",
                 "measured only when --calibrate describes the host the profile was recorded "
@@ -303,7 +304,7 @@ class Planner:
         is waited for. 0 without the per-bucket timing (older profiles), or when predicting
         another link than a calibration of the recorded host."""
         waits, copy_backs = timing.get("bucket_waits_us"), timing.get("bucket_copy_backs_us")
-        if not waits or not copy_backs or not how.startswith("calibration"):
+        if not waits or not copy_backs or not self.on_recorded_link:
             return 0.0
         if len(waits) != len(layout) or len(copy_backs) != len(layout):
             return 0.0  # recorded with another layout than the profile's

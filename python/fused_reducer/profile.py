@@ -150,10 +150,16 @@ def _step_phases(history):
             "step_us": statistics.median(period) if period else statistics.median(steps),
             "exposed_wait_us": statistics.median(s["exposed_wait_us"] for s in history),
             "late_bytes": statistics.median(
-                sum(b["bytes"] for b in s["buckets"]
-                    if b["complete_us"] is not None and b["complete_us"] >= s["backward_end_us"])
+                sum(b["bytes"] for b, late in zip(s["buckets"], _late_buckets(s)) if late)
                 for s in history),
             "copy_GBps": copy_GBps}
+
+
+def _late_buckets(step):
+    """Per bucket of a recorded step: whether it was unpacked after backward (its collective
+    had not completed when backward ended, so the end of backward waited for it)."""
+    return [b["complete_us"] is not None and b["complete_us"] >= step["backward_end_us"]
+            for b in step["buckets"]]
 
 
 def _late_bucket_phases(history):
@@ -169,8 +175,7 @@ def _late_bucket_phases(history):
     copy_backs = [[] for _ in sizes]
     for step in same:
         buckets = step["buckets"]
-        late = [b["complete_us"] is not None and b["complete_us"] >= step["backward_end_us"]
-                for b in buckets]
+        late = _late_buckets(step)
         for k, bucket in enumerate(buckets):
             waits[k].append((bucket["wait_us"] or 0.0) if late[k] else 0.0)
             if late[k] and k + 1 < len(buckets) and late[k + 1]:
