@@ -101,3 +101,54 @@ def test_every_ending_on_both_transports_ends_cleanly():
         f"endings not run within the budget: {sorted(set(stress.ALL_ENDINGS) - ran)}; {summary}")
     assert took <= 180, f"the CI subset took {took:.0f} s (bound 180 s): {summary}"
     assert proc.returncode == 0
+
+
+PIDNS_WORKER = r'''
+import os, signal, sys, time, torch, torch.distributed as dist
+from torch import nn
+import fused_reducer
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = fused_reducer.FusedReducer(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)),
+                                   timeout=120.0)
+print(f"rank{rank} backend={model.backend}", flush=True)
+for step in range(6):
+    if step == 3:
+        start = time.monotonic()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        model(torch.randn(8, 64)).sum().backward()
+    except Exception as e:
+        print(f"rank{rank} raised after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        sys.exit(1)
+print(f"rank{rank} trained 6 steps", flush=True)
+'''
+
+
+def test_ranks_in_two_pid_namespaces_of_one_host_see_a_killed_peer(tmp_path):
+    """Two containers on one host sharing /dev/shm (docker --ipc=host, one host name): their
+    ranks cannot see each other's pids, so the shared-memory transport could not tell a killed
+    peer from a slow one (it waited out the whole timeout). backend='auto' takes the process
+    group there, which sees the peer's connection close."""
+    if subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces)")
+    worker = tmp_path / "worker.py"
+    worker.write_text(PIDNS_WORKER)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+               MASTER_PORT=str(20000 + os.getpid() % 20000))
+    command = f"{sys.executable} {worker}; exit $?"  # not pid 1 of its namespace: killable
+    procs = [subprocess.Popen(prefix + ["sh", "-c", command], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, prefix in ((0, []), (1, ["unshare", "-p", "-f", "--mount-proc"]))]
+    try:
+        outputs = [proc.communicate(timeout=90)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert "rank0 backend=process_group" in outputs[0], outputs
+    assert "rank1 backend=process_group" in outputs[1], outputs
+    raised = [line for line in outputs[0].splitlines() if line.startswith("rank0 raised after")]
+    assert raised and float(raised[0].split()[3]) < 30, outputs  # not the 120 s timeout

@@ -113,12 +113,22 @@ def process_group_transport(group, timeout_s):
     only its address; Note [Naming a dead peer over a process group])."""
     transport = _C.ProcessGroupTransport(group)
     if dist.get_world_size(group) > 1:
-        rank, mine = dist.get_rank(group), f"{socket.gethostname()}\t{os.getpid()}"
-        peers = [text.split("\t") for text in exchange(group, "pg-peers", mine, timeout_s)]
-        host = socket.gethostname()
+        rank, mine = dist.get_rank(group), f"{process_host()}\t{os.getpid()}"
+        peers = [text.rsplit("\t", 1) for text in exchange(group, "pg-peers", mine, timeout_s)]
         transport.set_peer_processes([(r, int(pid)) for r, (h, pid) in enumerate(peers)
-                                      if h == host and r != rank])
+                                      if h == process_host() and r != rank])
     return transport
+
+
+def process_host():
+    """Where this process's pids mean something: the host and its PID namespace. Ranks in
+    containers on one host (sharing /dev/shm, e.g. docker --ipc=host) see each other's pids
+    only within one namespace, and a peer whose pid cannot be seen cannot be watched."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = "?"
+    return f"{socket.gethostname()}\tpid namespace {namespace}"
 
 
 def backend_of(transport):
@@ -132,9 +142,13 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     Collective over the group's store; every rank returns the same kind of answer, whatever
     fails on whichever rank (nothing may leave a peer waiting for an exchange)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    hosts = exchange(group, "shm-host", socket.gethostname(), timeout_s)
-    if len(set(hosts)) > 1:
-        return None, f"the ranks are on several hosts ({', '.join(sorted(set(hosts)))})"
+    hosts = [text.split("\t") for text in exchange(group, "shm-host", process_host(), timeout_s)]
+    if len({host for host, _ in hosts}) > 1:
+        return None, f"the ranks are on several hosts ({', '.join(sorted({h for h, _ in hosts}))})"
+    if len({namespace for _, namespace in hosts}) > 1:
+        # A peer that dies (killed, os._exit) would go unnoticed until the timeout.
+        return None, ("the ranks of this host are in different PID namespaces (containers "
+                      "sharing /dev/shm), so a rank could not see a peer's process die")
     created, transport = "", None
     if rank == 0:
         try:
