@@ -892,7 +892,7 @@ std::string Reducer::exchange_health(bool joined) {
   }
   const at::Tensor rows = allreduce_health(health_.row(nonfinite, joined), "health exchange");
   if (health_.options().straggler_interval > 0) {
-    health_.update_stragglers(rows, stats_.step);
+    health_.update_stragglers(rows);
     if (!history_.empty() && !joined) {
       history_.back().lateness_ms = health_.report().lateness_ms;
     }

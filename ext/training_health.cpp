@@ -109,7 +109,8 @@ int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
 // the late one, and lateness(r) = max over ranks of slack - slack(r): how long after the
 // earliest rank r's buckets were ready. Each rank reports the median of its last
 // `straggler_window` slacks, so one slow step does not name a rank.
-void TrainingHealth::update_stragglers(const at::Tensor& summed_rows, int64_t step) {
+void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
+  const int64_t step = steps_;  // counted alike on joined ranks: the report is the same on all
   const double* rows = summed_rows.const_data_ptr<double>();
   double earliest = -std::numeric_limits<double>::infinity();
   std::vector<double> steps;
@@ -158,9 +159,9 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows, int64_t st
   }
   if (warning.tellp() > 0) {
     warning_ = "FusedReducer: straggler: " + warning.str() +
-               ". Every rank waits for it each step; look at that rank's host (GPU clocks, "
-               "data loading, other processes). model.straggler_report() has every rank's "
-               "lateness.";
+               ". Every rank waits for the latest one each step; look at the late ranks' hosts "
+               "(GPU clocks, data loading, other processes). model.straggler_report() has every "
+               "rank's lateness.";
   }
 }
 

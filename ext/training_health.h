@@ -64,7 +64,7 @@ class TrainingHealth {
   at::Tensor row(int64_t nonfinite, bool joined) const;
   static int64_t total_nonfinite(const at::Tensor& summed_rows);
   // Reads the summed rows: lateness, stragglers, the warning to log.
-  void update_stragglers(const at::Tensor& summed_rows, int64_t step);
+  void update_stragglers(const at::Tensor& summed_rows);
 
   // The second exchange, when some rank counted non-finite elements: float64
   // [world * kDetail]: this rank's number of offending parameters, then up to

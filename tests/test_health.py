@@ -284,7 +284,7 @@ def check_join(rank, world):
     report = ours.straggler_report()
     diff = _max_diff(ours.module.parameters(), ddp.module.parameters())
     ours.close()
-    return dict(diff=diff, report_step=report["step"])
+    return dict(diff=diff, report_step=report["step"], late_steps=tuple(report["late_steps"]))
 
 
 def check_norm_of_a_large_layer(rank, world):
@@ -313,8 +313,127 @@ def check_norm_of_a_large_layer(rank, world):
     return out
 
 
+class _MixedNet(nn.Module):
+    """A bfloat16 layer first, a float32 one after: the norm comes back in the widest dtype."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.low = nn.Linear(16, 32).to(torch.bfloat16)
+        self.high = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.high(torch.tanh(self.low(x.to(torch.bfloat16)).float()))
+
+
+def check_norm_edges(rank, world):
+    """Against torch under DDP: one NaN in one element of the last rank's gradient (the norm
+    is NaN for every norm type, from the copy and over a ShardedOptimizer's shards, and
+    error_if_nonfinite raises); a bfloat16 + float32 model (the norm's dtype, its value against
+    float64, the gradients clipped by it); a frozen parameter holding a .grad (counted and scaled, as torch's clip over
+    model.parameters() does); norm_type 0."""
+    out = {}
+
+    def one_nan(model):
+        weight = model.module[0].weight
+        if rank != world - 1:
+            return None
+        return weight.register_hook(lambda g: g.index_put(
+            (torch.tensor([0]), torch.tensor([0])), torch.tensor(math.nan)))
+
+    for sharded in (False, True):
+        ours = FusedReducer(_net(), bucket_cap_mb=2 * KB / 2**20)
+        opt = ShardedOptimizer(ours, torch.optim.SGD, lr=0.5) if sharded else None
+        ddp = DDP(_net())
+        for model in (ours, ddp):
+            hook = one_nan(model)
+            _loss(model, *_batch(rank, 0)).backward()
+            if hook is not None:
+                hook.remove()
+        norm = opt.grad_norm if sharded else ours.grad_norm
+        for norm_type in (1.0, 2.0, math.inf):
+            mine = float(norm(norm_type))
+            theirs = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in ddp.parameters()], norm_type))
+            clip = opt.clip_grad_norm_ if sharded else ours.clip_grad_norm_
+            try:
+                clip(1.0, norm_type, error_if_nonfinite=True)
+                raised = False
+            except RuntimeError:
+                raised = True
+            out[("nan", sharded, norm_type)] = (mine, theirs, raised)
+        ours.close()
+
+    ours, ddp = FusedReducer(_MixedNet()), DDP(_MixedNet())
+    x, y = _batch(rank, 0)
+    for model in (ours, ddp):
+        (_loss(model, x, y) * 100).backward()
+    # The exact norm of the very gradients ours averaged (bfloat16 averages differ from DDP's
+    # in their last bit at world 3), and torch's norm and dtype for DDP's.
+    mine_grads = [p.grad.clone() for p in ours.parameters()]
+    exact = {}
+    for norm_type in (2.0, math.inf):
+        mine = ours.grad_norm(norm_type)
+        theirs = torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()], norm_type)
+        exact[norm_type] = float(torch.linalg.vector_norm(
+            torch.cat([g.double().flatten() for g in mine_grads]), norm_type))
+        out[("mixed", norm_type)] = (float(mine), float(theirs), exact[norm_type],
+                                     str(mine.dtype), str(theirs.dtype))
+    ours.clip_grad_norm_(1.0)
+    # torch's clip arithmetic (clip_grads_with_norm_) with the exact norm.
+    coefficient = torch.clamp(1.0 / (torch.tensor(exact[2.0], dtype=torch.float32) + 1e-6), max=1.0)
+    mine_grads = [g.mul(coefficient.to(g.dtype)) for g in mine_grads]
+    # Relative to each dtype's resolution: a last-bit difference of the float32 norm may flip
+    # a bfloat16 rounding.
+    out["mixed_clipped_diff"] = max(
+        ((p.grad.float() - g.float()).abs() / (g.float().abs() * torch.finfo(g.dtype).eps + 1e-30))
+        .max().item() for p, g in zip(ours.parameters(), mine_grads))
+    ours.close()
+
+    ours, ddp = FusedReducer(_net()), DDP(_net())
+    for model in (ours, ddp):
+        _loss(model, x, y).backward()  # every parameter gets a gradient ...
+        model.module[0].bias.requires_grad_(False)  # ... then one is frozen, keeping it
+    out["frozen"] = (float(ours.clip_grad_norm_(1e-3)),
+                     float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)),
+                     _max_diff([p.grad for p in ours.parameters()],
+                               [p.grad for p in ddp.parameters()]))
+    out["norm0"] = (float(ours.grad_norm(0)),
+                    float(torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()], 0)))
+    ours.close()
+    return out
+
+
+def check_grad_scaler(rank, world):
+    """fp16-style loss scaling (torch.amp.GradScaler) with check_finite: the steps whose scaled
+    gradients overflow raise on every rank; the loop README's "Training health" shows (the
+    scaler still steps, which skips the step and backs off) trains as DDP with the same scaler."""
+    ours, ddp = FusedReducer(_net(), check_finite=True), DDP(_net())
+    runs = {}
+    for name, model in (("ours", ours), ("ddp", ddp)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**124, growth_interval=2)
+        raised, scales = [], []
+        for step in range(8):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            try:
+                scaler.scale(_loss(model, x, y) * 100.0).backward()
+                raised.append(False)
+            except NonFiniteGradientError:
+                raised.append(True)  # param.grad holds the non-finite average: step() skips
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs[name] = dict(raised=raised, scales=scales)
+    diff = _max_diff(ours.module.parameters(), ddp.module.parameters())
+    ours.close()
+    return dict(runs=runs, diff=diff)
+
+
 CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
-          check_complex_clip, check_join, check_norm_of_a_large_layer]
+          check_complex_clip, check_join, check_norm_of_a_large_layer,
+          check_norm_edges, check_grad_scaler]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -414,6 +533,40 @@ def test_the_norm_of_a_large_layer_is_the_float64_norm_where_torchs_cpu_kernel_d
             assert abs(row["mine"] - row["exact"]) <= 2e-7 * row["exact"], (norm_type, row)
 
 
+def test_norm_edges_nan_on_one_rank_mixed_dtypes_frozen_parameters_as_torch_under_ddp(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_norm_edges"):
+        for sharded in (False, True):
+            for norm_type in (1.0, 2.0, math.inf):
+                mine, theirs, raised = out[("nan", sharded, norm_type)]
+                assert math.isnan(theirs), (sharded, norm_type, theirs)
+                assert math.isnan(mine) and raised, (sharded, norm_type, mine, raised)
+        # Mixed dtypes: torch's dtype; ours is the exact norm; torch computes a bfloat16
+        # group's norm in bfloat16 (within its 2**-8 rounding, and the bfloat16 averages').
+        for norm_type in (2.0, math.inf):
+            mine, theirs, exact, my_dtype, their_dtype = out[("mixed", norm_type)]
+            assert my_dtype == their_dtype == "torch.float32", out[("mixed", norm_type)]
+            assert abs(mine - exact) <= 1e-6 * exact, out[("mixed", norm_type)]
+            assert abs(theirs - exact) <= 2**-7 * exact, out[("mixed", norm_type)]
+        assert out["mixed_clipped_diff"] <= 1.0, out["mixed_clipped_diff"]  # in units of eps
+        mine, theirs, diff = out["frozen"]
+        assert abs(mine - theirs) <= 1e-6 * theirs and diff <= 1e-9, out["frozen"]
+        assert out["norm0"][0] == out["norm0"][1], out["norm0"]
+
+
+def test_a_grad_scalers_overflow_steps_raise_and_the_scaler_backs_off_as_under_ddp(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_grad_scaler"):
+        ours, ddp = out["runs"]["ours"], out["runs"]["ddp"]
+        assert ours["scales"] == ddp["scales"], out  # the same steps skipped, the same backoff
+        # The scale grows every 2 steps until the scaled gradients overflow: the steps that
+        # backed off are the steps that raised.
+        previous = [2.0**124] + ddp["scales"][:-1]
+        backed_off = [now < before for now, before in zip(ddp["scales"], previous)]
+        assert ours["raised"] == backed_off and any(backed_off) and not all(backed_off), out
+        assert out["diff"] <= 1e-5, out  # the loss is scaled by 100: steps 100 times larger
+
+
 def test_grad_norm_follows_param_grad_after_it_changed(outcomes):
     world, outcomes = outcomes
     for out in per_rank(outcomes, "check_norm_follows_param_grad"):
@@ -424,6 +577,9 @@ def test_grad_norm_follows_param_grad_after_it_changed(outcomes):
 
 def test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join(outcomes):
     world, outcomes = outcomes
-    for out in per_rank(outcomes, "check_join"):
+    outs = per_rank(outcomes, "check_join")
+    for out in outs:
         assert out["diff"] <= 1e-6, out
         assert out["report_step"] > 0, out
+    # The joined ranks shadowed the others' steps: the report is the same on every rank.
+    assert len({(out["report_step"], out["late_steps"]) for out in outs}) == 1, outs

@@ -4,6 +4,7 @@ Python does the once-per-construction and once-per-forward work (checks, broadca
 point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
 """
 import atexit
+import functools
 import logging
 import math
 import os
@@ -659,18 +660,24 @@ class FusedReducer(nn.Module, Joinable):
         param.grad changed since that backward wrote it (clipped, unscaled, accumulated, or set
         by hand), or for another norm_type, it is computed by torch from param.grad. With a
         ShardedOptimizer: its norm over the shards (collective: call on every rank)."""
-        norm_type = _checked_norm_type(norm_type)
+        norm_type = float(norm_type)
         if self._sharded:
             return self._sharded_optimizer_for("grad_norm").grad_norm(norm_type)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
-        total = self._norm_from_copy(norm_type)
+        # The copy saw only the reduced parameters' gradients: a frozen or ignored parameter
+        # that holds a .grad counts in torch's norm over model.parameters() too.
+        total = self._norm_from_copy(norm_type) if len(grads) == self._reduced_grads() else None
         self._norm_source = "copy" if total is not None else "torch"
         if total is None:
             return torch.nn.utils.get_total_norm(grads, norm_type)
-        # torch's norm has the gradients' real dtype (a complex gradient's norm is real).
-        return total.to(device=grads[0].device, dtype=grads[0].dtype.to_real())
+        # torch's norm has the gradients' widest real dtype (a complex gradient's norm is real).
+        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
+        return total.to(device=grads[0].device, dtype=dtype)
+
+    def _reduced_grads(self):
+        return sum(p.grad is not None for p in self._params)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) with the norm from
@@ -686,7 +693,7 @@ class FusedReducer(nn.Module, Joinable):
                 f"FusedReducer.clip_grad_norm_: the total norm of order {float(norm_type)} of the "
                 "gradients is non-finite, so it cannot be clipped. To disable this error and "
                 "scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False")
-        grads = [p for p in self._params if p.grad is not None]
+        grads = [p for p in self.module.parameters() if p.grad is not None]
         if grads:
             torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
         return total
@@ -806,14 +813,6 @@ def _health_settings(check_finite, straggler_interval, straggler_window, straggl
     return {"check_finite": check_finite, "straggler_interval": straggler_interval,
             "straggler_window": straggler_window, "straggler_threshold_ms": float(threshold),
             "straggler_warn_steps": straggler_warn_steps}
-
-
-def _checked_norm_type(norm_type):
-    norm_type = float(norm_type)
-    if not (norm_type > 0):
-        raise ValueError(f"FusedReducer: norm_type must be positive (a p-norm, or inf), got "
-                         f"{norm_type}")
-    return norm_type
 
 
 def _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):

@@ -60,6 +60,7 @@ torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a gra
 after step() fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_``
 (the norm over all shards). Note [Released gradients] in ext/reducer.cpp.
 """
+import math
 import sys
 
 import torch
@@ -331,11 +332,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Every rank sends float64 (its shards' dtypes can differ from another rank's, and a rank
         # may hold none); the norm comes back in the parameters' widest real dtype, as torch's.
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max().double() for g in grads if g.numel()),
-                        default=torch.tensor(0.0, dtype=torch.float64))
-            total = local.reshape(1).to(device)
+            # torch's max keeps a NaN (Python's max and gloo's MAX drop it): it travels as a
+            # flag beside the maximum of the numbers.
+            local = torch.stack([torch.zeros((), dtype=torch.float64, device=device)] +
+                                [g.detach().abs().max().double().to(device)
+                                 for g in grads if g.numel()]).max()
+            is_nan = torch.isnan(local)
+            total = torch.stack([torch.where(is_nan, 0.0, local), is_nan.double()]).to(device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)
-            total = total[0]
+            total = torch.where(total[1] > 0, math.nan, total[0])
         else:
             local = sum((torch.linalg.vector_norm(g.detach(), norm_type, dtype=_norm_dtype(g))
                          .double() ** norm_type for g in grads),
