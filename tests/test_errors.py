@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -356,3 +357,34 @@ def test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket():
         assert "rank 1 (pid" in message and "exited" in message, message
         assert elapsed < 10, elapsed
     assert elapsed < 60, elapsed
+
+
+def stall_past_the_group_timeout(rank, world_size):
+    """The process group was made with a 4 s timeout (spawn_ranks' pg_timeout): FusedReducer
+    without `timeout` waits that long, as DDP's collectives; an explicit timeout or another
+    group's own timeout wins. Rank 1 then stalls 10 s before its backward (alive: only a
+    timeout can end rank 0's wait)."""
+    timeouts = dict(default=FusedReducer(nn.Linear(4, 4))._timeout_s,
+                    explicit=FusedReducer(nn.Linear(4, 4), timeout=7)._timeout_s,
+                    group=FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
+                        [0, 1], timeout=timedelta(seconds=9)))._timeout_s)
+    model = FusedReducer(nn.Linear(4, 4))
+    loss = model(torch.randn(2, 4)).sum()
+    if rank == 1:
+        time.sleep(10)
+    start = time.monotonic()
+    try:
+        loss.backward()
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    return dict(timeouts=timeouts, raised=raised, elapsed=time.monotonic() - start)
+
+
+def test_the_process_groups_timeout_is_the_default_as_in_ddp():
+    outcomes = spawn_ranks(stall_past_the_group_timeout, 2, timeout=90, pg_timeout=4)
+    status, payload = outcomes[0]
+    assert status == "ok", payload
+    assert payload["timeouts"] == dict(default=4.0, explicit=7.0, group=9.0), payload
+    assert payload["raised"] is not None and "timed out" in payload["raised"], payload
+    assert 3 < payload["elapsed"] < 9, payload  # the group's 4 s, not 10 minutes

@@ -12,7 +12,6 @@ import warnings
 import weakref
 import zlib
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,8 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .elastic import restart_failure
 from .errors import FusedReducerError, ShardedGradientError, raise_nonfinite
 from .join import FusedReducerJoinHook, common_rank, sync_requested
-from .transport import (backend_of, check_one_rank_per_gpu, make_transport, resolve_backend,
-                        timeout_seconds)
+from .transport import (backend_of, check_one_rank_per_gpu, group_timeout, make_transport,
+                        resolve_backend, timeout_seconds)
 from .settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
                        megabytes_to_bytes)
 
@@ -80,7 +79,8 @@ class FusedReducer(nn.Module, Joinable):
     SyncBatchNorm on an NCCL group, see Note [One NCCL communicator]; for CPU parameters shared
     memory when every rank is on one host, else the process group), "nccl", "shm",
     "process_group"; the ``backend`` attribute then names the one in use. ``timeout`` bounds
-    every wait on a collective, after which the step raises naming the bucket.
+    every wait on a collective, after which the step raises naming the bucket (None: the process
+    group's timeout, as DDP's collectives).
 
     ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
     their own (see ``last_bucket_bytes``). ``autotune=True`` starts ``autotune()`` at once: the
@@ -100,7 +100,7 @@ class FusedReducer(nn.Module, Joinable):
 
     def __init__(self, module, process_group=None, bucket_cap_mb=None, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
-                 broadcast_buffers=None, backend="auto", timeout=timedelta(minutes=10),
+                 broadcast_buffers=None, backend="auto", timeout=None,
                  last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None,
                  device_ids=None, output_device=None, bucket_cap_mb_list=None,
                  forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
@@ -121,7 +121,6 @@ class FusedReducer(nn.Module, Joinable):
                                                       and last_bucket_mb == 0)
                       else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
         reduce_dtype = check_reduce_dtype(_reduce_dtype_of(mixed_precision, reduce_dtype))
-        timeout_s = timeout_seconds(timeout)  # inf / timedelta.max: a year, see there
         self.module = module
         self.process_group = _resolve_group(_group_of(process_group, device_mesh))
         self.device_mesh = device_mesh
@@ -155,7 +154,10 @@ class FusedReducer(nn.Module, Joinable):
         _check_device_ids(device_ids, output_device, self.device)
         self._backend_request = backend
         self.backend = resolve_backend(backend, self.device)  # what _attach tries first
-        self._timeout_s = timeout_s
+        # None: the process group's own timeout, which DDP's collectives wait (the Trainer's
+        # ddp_timeout); inf / timedelta.max: a year, see timeout_seconds.
+        self._timeout_s = timeout_seconds(
+            group_timeout(self.process_group, self.device) if timeout is None else timeout)
         self._limits = (caps, last_bytes)  # kept for re-attaching after pickling
         # DDP's first layout for a bucket_cap_mb_list (see Note [Bucket assignment]).
         self._ddp_first_layout = bool(bucket_cap_mb_list)

@@ -41,6 +41,16 @@ def timeout_seconds(timeout):
     return min(seconds, MAX_TIMEOUT_S)
 
 
+def group_timeout(group, device):
+    """The timeout `group` was made with (init_process_group(timeout=...), new_group, the
+    Trainer's ddp_timeout): how long DDP's collectives wait. 10 minutes where torch does not
+    say."""
+    try:
+        return group._get_backend(torch.device(device)).options._timeout
+    except (AttributeError, RuntimeError):
+        return timedelta(minutes=10)
+
+
 def nccl_built():
     return bool(_C.BUILD_INFO["cuda"])
 
