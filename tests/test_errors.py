@@ -6,6 +6,7 @@ instead of stalling the suite. Checks that can share a job do (a spawn costs sec
 import os
 import subprocess
 import sys
+import pickle
 import time
 from datetime import timedelta
 
@@ -364,10 +365,17 @@ def stall_past_the_group_timeout(rank, world_size):
     without `timeout` waits that long, as DDP's collectives; an explicit timeout or another
     group's own timeout wins. Rank 1 then stalls 10 s before its backward (alive: only a
     timeout can end rank 0's wait)."""
+    on_group = FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
+        [0, 1], timeout=timedelta(seconds=9)))
+    explicit = FusedReducer(nn.Linear(4, 4), timeout=7)
     timeouts = dict(default=FusedReducer(nn.Linear(4, 4))._timeout_s,
-                    explicit=FusedReducer(nn.Linear(4, 4), timeout=7)._timeout_s,
-                    group=FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
-                        [0, 1], timeout=timedelta(seconds=9)))._timeout_s)
+                    explicit=explicit._timeout_s, group=on_group._timeout_s)
+    # Unpickled, a model attaches to the default group at its first forward: that group's
+    # timeout when none was asked for, the one asked for otherwise.
+    for name, original in (("unpickled", on_group), ("unpickled_explicit", explicit)):
+        copy = pickle.loads(pickle.dumps(original))
+        copy(torch.randn(2, 4))
+        timeouts[name] = copy._timeout_s
     model = FusedReducer(nn.Linear(4, 4))
     loss = model(torch.randn(2, 4)).sum()
     if rank == 1:
@@ -385,6 +393,7 @@ def test_the_process_groups_timeout_is_the_default_as_in_ddp():
     outcomes = spawn_ranks(stall_past_the_group_timeout, 2, timeout=90, pg_timeout=4)
     status, payload = outcomes[0]
     assert status == "ok", payload
-    assert payload["timeouts"] == dict(default=4.0, explicit=7.0, group=9.0), payload
+    assert payload["timeouts"] == dict(default=4.0, explicit=7.0, group=9.0, unpickled=4.0,
+                                       unpickled_explicit=7.0), payload
     assert payload["raised"] is not None and "timed out" in payload["raised"], payload
     assert 3 < payload["elapsed"] < 9, payload  # the group's 4 s, not 10 minutes

@@ -77,7 +77,7 @@ class FusedReducer(nn.Module, Joinable):
     collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
     how buckets move: "auto" (NCCL for CUDA parameters, but the process group for a model with
     SyncBatchNorm on an NCCL group, see Note [One NCCL communicator]; for CPU parameters shared
-    memory when every rank is on one host, else the process group), "nccl", "shm",
+    memory when every rank is on one host and in one PID namespace, else the process group), "nccl", "shm",
     "process_group"; the ``backend`` attribute then names the one in use. ``timeout`` bounds
     every wait on a collective, after which the step raises naming the bucket (None: the process
     group's timeout, as DDP's collectives).
@@ -154,10 +154,10 @@ class FusedReducer(nn.Module, Joinable):
         _check_device_ids(device_ids, output_device, self.device)
         self._backend_request = backend
         self.backend = resolve_backend(backend, self.device)  # what _attach tries first
-        # None: the process group's own timeout, which DDP's collectives wait (the Trainer's
-        # ddp_timeout); inf / timedelta.max: a year, see timeout_seconds.
-        self._timeout_s = timeout_seconds(
-            group_timeout(self.process_group, self.device) if timeout is None else timeout)
+        # None: the process group's own timeout, read when attaching to a group (_attach).
+        self._timeout_request = timeout
+        if timeout is not None:
+            timeout_seconds(timeout)  # refuse a bad value before any collective
         self._limits = (caps, last_bytes)  # kept for re-attaching after pickling
         # DDP's first layout for a bucket_cap_mb_list (see Note [Bucket assignment]).
         self._ddp_first_layout = bool(bucket_cap_mb_list)
@@ -184,6 +184,12 @@ class FusedReducer(nn.Module, Joinable):
                                             self.device, self.module, self.process_group,
                                             self._comm_hook is not None)
         self.backend = resolve_backend(request, self.device)
+        # None: the process group's own timeout, which DDP's collectives wait (the Trainer's
+        # ddp_timeout); inf / timedelta.max: a year, see timeout_seconds. Unpickled from before
+        # the request was kept: the timeout it had.
+        request_timeout = self.__dict__.get("_timeout_request", self.__dict__.get("_timeout_s"))
+        self._timeout_s = timeout_seconds(group_timeout(self.process_group, self.device)
+                                          if request_timeout is None else request_timeout)
         nccl_group = dist.get_backend(self.process_group) == "nccl"
         if self.device.type == "cuda" and (nccl_group or self.backend == "nccl"):
             check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses

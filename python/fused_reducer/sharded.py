@@ -334,9 +334,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norm_type == float("inf"):
             # torch's max keeps a NaN (Python's max and gloo's MAX drop it): it travels as a
             # flag beside the maximum of the numbers.
-            local = torch.stack([torch.zeros((), dtype=torch.float64, device=device)] +
-                                [g.detach().abs().max().double().to(device)
-                                 for g in grads if g.numel()]).max()
+            maxima = [g.detach().abs().max().double() for g in grads if g.numel()]
+            local = (torch.stack(maxima).max().to(device) if maxima  # one copy to `device`
+                     else torch.zeros((), dtype=torch.float64, device=device))
             is_nan = torch.isnan(local)
             total = torch.stack([torch.where(is_nan, 0.0, local), is_nan.double()]).to(device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)

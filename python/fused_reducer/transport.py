@@ -1,5 +1,5 @@
 """Choosing how buckets move: NCCL directly (CUDA builds, CUDA parameters), shared memory (CPU
-parameters, every rank on one host), or any process group."""
+parameters, every rank on one host and in one PID namespace), or any process group."""
 import math
 import os
 import re
@@ -43,12 +43,17 @@ def timeout_seconds(timeout):
 
 def group_timeout(group, device):
     """The timeout `group` was made with (init_process_group(timeout=...), new_group, the
-    Trainer's ddp_timeout): how long DDP's collectives wait. 10 minutes where torch does not
-    say."""
+    Trainer's ddp_timeout): how long DDP's collectives wait. Torch's default for the group's
+    backend where the group does not say."""
     try:
-        return group._get_backend(torch.device(device)).options._timeout
+        backend = group._get_backend(torch.device(device))
+        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL
+        timeout = backend.options._timeout
+        if timeout.total_seconds() > 0:
+            return timeout
     except (AttributeError, RuntimeError):
-        return timedelta(minutes=10)
+        pass
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
 
 
 def nccl_built():
@@ -89,8 +94,9 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     `group` (staged on `device` when the group is an NCCL group, so no rank touches another
     GPU); every rank then joins on `device` (raises after `timeout_s` if a rank never joins).
     For shm, the ranks agree through the group's store; with backend='auto' a group whose ranks
-    cannot share memory (several hosts, no room in /dev/shm) gets the process group instead, with
-    backend='shm' it raises.
+    cannot share memory (several hosts, no room in /dev/shm) or watch each other's processes
+    (several PID namespaces, no /proc) gets the process group instead, with backend='shm' it
+    raises.
     """
     device = torch.device(device)
     requested = backend
@@ -123,22 +129,20 @@ def process_group_transport(group, timeout_s):
     only its address; Note [Naming a dead peer over a process group])."""
     transport = _C.ProcessGroupTransport(group)
     if dist.get_world_size(group) > 1:
-        rank, mine = dist.get_rank(group), f"{process_host()}\t{os.getpid()}"
-        peers = [text.rsplit("\t", 1) for text in exchange(group, "pg-peers", mine, timeout_s)]
+        rank, host = dist.get_rank(group), process_host()
+        peers = [text.rsplit("\t", 1)
+                 for text in exchange(group, "pg-peers", f"{host}\t{os.getpid()}", timeout_s)]
         transport.set_peer_processes([(r, int(pid)) for r, (h, pid) in enumerate(peers)
-                                      if h == process_host() and r != rank])
+                                      if h == host and r != rank])
     return transport
 
 
 def process_host():
-    """Where this process's pids mean something: the host and its PID namespace. Ranks in
-    containers on one host (sharing /dev/shm, e.g. docker --ipc=host) see each other's pids
-    only within one namespace, and a peer whose pid cannot be seen cannot be watched."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = "?"
-    return f"{socket.gethostname()}\tpid namespace {namespace}"
+    """Where this process's pids mean something: the host and its PID namespace (0: unknown,
+    no /proc). Ranks in containers on one host (sharing /dev/shm, e.g. docker --ipc=host) see
+    each other's pids only within one namespace, and a peer whose pid cannot be seen cannot be
+    watched."""
+    return f"{socket.gethostname()}\t{_pid_namespace()}"
 
 
 def backend_of(transport):
@@ -155,10 +159,15 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
     hosts = [text.split("\t") for text in exchange(group, "shm-host", process_host(), timeout_s)]
     if len({host for host, _ in hosts}) > 1:
         return None, f"the ranks are on several hosts ({', '.join(sorted({h for h, _ in hosts}))})"
-    if len({namespace for _, namespace in hosts}) > 1:
-        # A peer that dies (killed, os._exit) would go unnoticed until the timeout.
+    # A peer whose process a rank cannot see die (killed, os._exit) would go unnoticed until
+    # the timeout.
+    namespaces = {namespace for _, namespace in hosts}
+    if len(namespaces) > 1:
         return None, ("the ranks of this host are in different PID namespaces (containers "
                       "sharing /dev/shm), so a rank could not see a peer's process die")
+    if "0" in namespaces:
+        return None, ("the PID namespace cannot be read (no /proc/self/ns/pid), so a rank "
+                      "could not see a peer's process die")
     created, transport = "", None
     if rank == 0:
         try:
