@@ -898,12 +898,40 @@ std::string Reducer::exchange_health(bool joined) {
     }
   }
   if (TrainingHealth::total_nonfinite(rows) == 0) {
-    return "";
+    return joined ? "" : averaged_nonfinite_message();
   }
   if (counts.empty()) counts.assign(params_.size(), 0);
   const at::Tensor detail = allreduce_health(health_.detail_row(counts, ready_order_),
                                              "non-finite gradient report");
   return health_.nonfinite_message(rows, detail, names_, stats_.step, sharded_layout_);
+}
+
+// Note [Averages that overflow]
+// check_finite counts each rank's local gradients on their way into the buckets, yet an
+// average can come out non-finite from finite ones when the reduction overflows (a float16
+// reduce_dtype or a compressing comm hook: sums beyond 65504). The unpack into param.grad
+// sums |x| of what it writes (norms_, Note [Statistics from the copy]), so that is seen for
+// free wherever the unpack copies. The averages are the same on every rank, so every rank
+// comes to the same verdict without an exchange. Not seen: gradient_as_bucket_view (no copy
+// out of the bucket) and a ShardedOptimizer's shards (documented).
+std::string Reducer::averaged_nonfinite_message() const {
+  if (!nonfinite_.defined() || std::isfinite(norms_.cpu().const_data_ptr<double>()[1])) {
+    return "";
+  }
+  std::vector<std::pair<std::string, int64_t>> found;  // the error path: a pass over param.grad
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].grad();
+    if (observed_[i] && grad.defined()) {
+      const int64_t count = at::logical_not(at::isfinite(grad)).sum().item<int64_t>();
+      if (count > 0) found.emplace_back(names_[i], count);
+    }
+  }
+  const auto& dtype = options_.reduce_dtype;  // finalize may hold mutex_: no locking getter
+  const std::string reduction =
+      comm_hook_ ? "the comm hook's reduction"
+                 : (dtype ? c10::str("the reduction in ", dtype_name(*dtype), " (reduce_dtype)")
+                          : std::string("the reduction"));
+  return health_.averaged_nonfinite_message(found, stats_.step, reduction);
 }
 
 at::Tensor Reducer::allreduce_health(const at::Tensor& row, const char* what) {

@@ -291,6 +291,7 @@ class Reducer {
   std::vector<double> take_slack_samples(bool exchanging);
   void record_slack_event(bool complete);
   std::string exchange_health(bool joined);
+  std::string averaged_nonfinite_message() const;
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
   std::vector<int64_t> observed_order() const;
   std::string describe_params(const std::vector<int64_t>& indices) const;

@@ -228,4 +228,23 @@ std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
   return out.str();
 }
 
+std::string TrainingHealth::averaged_nonfinite_message(
+    const std::vector<std::pair<std::string, int64_t>>& found, int64_t step,
+    const std::string& reduction) const {
+  std::ostringstream out;
+  out << "FusedReducer: non-finite gradients (NaN or Inf) in step " << step
+      << " (check_finite=True): every rank's local gradients were finite, but their average is "
+         "not: "
+      << reduction << " overflowed, in " << found.size() << " parameter"
+      << (found.size() == 1 ? "" : "s") << ", first ";
+  for (size_t k = 0; k < std::min<size_t>(found.size(), kNamed); ++k) {
+    out << (k ? ", " : "") << "'" << found[k].first << "' (" << found[k].second << ")";
+  }
+  if (found.size() > static_cast<size_t>(kNamed)) out << " and " << found.size() - kNamed << " more";
+  out << ". param.grad holds that average on every rank, so every rank raises this. Call "
+         "optimizer.zero_grad() and skip optimizer.step() for this batch; to keep the sums in "
+         "range reduce in bfloat16 or float32 (reduce_dtype) or lower the loss scale.";
+  return out.str();
+}
+
 }  // namespace fused_reducer

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fused_reducer {
@@ -77,6 +78,12 @@ class TrainingHealth {
   std::string nonfinite_message(const at::Tensor& summed_rows, const at::Tensor& summed_detail,
                                 const std::vector<std::string>& names, int64_t step,
                                 bool sharded) const;
+
+  // The error when every rank's local gradients were finite but their average is not
+  // (Note [Averages that overflow] in reducer.cpp): `found` (parameter name, non-finite
+  // elements of its average), `reduction` says what reduced them.
+  std::string averaged_nonfinite_message(const std::vector<std::pair<std::string, int64_t>>& found,
+                                         int64_t step, const std::string& reduction) const;
 
   StragglerReport report() const { return report_; }
   std::string take_warning();

@@ -127,6 +127,13 @@ def test_check_finite_and_the_norm_from_the_copy_on_nccl(nccl_world_of_one):
     ours(x).square().mean().backward()  # the next step trains normally
     assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
     ours.close()
+    # Finite local gradients beyond float16's range: the float16 bucket overflows, the unpack
+    # kernel's sum |x| sees it (Note [Averages that overflow]).
+    ours = fused_reducer.FusedReducer(_model(), backend="nccl", bucket_cap_mb=0.01,
+                                      check_finite=True, reduce_dtype=torch.float16)
+    with pytest.raises(fused_reducer.NonFiniteGradientError, match="local gradients were finite"):
+        (ours(x).square().mean() * 1e9).backward()
+    ours.close()
 
 
 def _gpu_sleep_ms(ms):

@@ -431,9 +431,48 @@ def check_grad_scaler(rank, world):
     return dict(runs=runs, diff=diff)
 
 
+def check_averaged_overflow(rank, world):
+    """Finite local gradients whose float16 reduction overflows (reduce_dtype=torch.float16, or
+    torch's fp16_compress_hook): every rank raises, naming the parameters, param.grad holding
+    the non-finite average; after zero_grad() and a skipped step training goes on as DDP that
+    skipped the same step (float16 reduction: within 1e-2)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    out = {}
+    for variant in ("reduce_dtype", "hook"):
+        ours = FusedReducer(_net(), check_finite=True, bucket_cap_mb=2 * KB / 2**20,
+                            reduce_dtype=torch.float16 if variant == "reduce_dtype" else None)
+        if variant == "hook":
+            ours.register_comm_hook(None, fp16_compress_hook)
+        ddp = DDP(_net())
+        opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+        ref = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, y = _batch(rank, 0)
+        local = _net()
+        (_loss(local, x, y) * 1e6).backward()
+        locally_finite = all(bool(torch.isfinite(p.grad).all()) for p in local.parameters())
+        message, nonfinite_grads = None, None
+        try:
+            (_loss(ours, x, y) * 1e6).backward()
+        except NonFiniteGradientError as e:
+            message = str(e)
+            nonfinite_grads = sum(int((~torch.isfinite(p.grad)).sum()) for p in ours.parameters())
+        opt.zero_grad()
+        for step in (1, 2):
+            x, y = _batch(rank, step)
+            for model, optimizer in ((ours, opt), (ddp, ref)):
+                optimizer.zero_grad()
+                _loss(model, x, y).backward()
+                optimizer.step()
+        out[variant] = dict(message=message, locally_finite=locally_finite,
+                            nonfinite_grads=nonfinite_grads,
+                            diff=_max_diff(ours.module.parameters(), ddp.module.parameters()))
+        ours.close()
+    return out
+
+
 CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
           check_complex_clip, check_join, check_norm_of_a_large_layer,
-          check_norm_edges, check_grad_scaler]
+          check_norm_edges, check_grad_scaler, check_averaged_overflow]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -565,6 +604,23 @@ def test_a_grad_scalers_overflow_steps_raise_and_the_scaler_backs_off_as_under_d
         backed_off = [now < before for now, before in zip(ddp["scales"], previous)]
         assert ours["raised"] == backed_off and any(backed_off) and not all(backed_off), out
         assert out["diff"] <= 1e-5, out  # the loss is scaled by 100: steps 100 times larger
+
+
+def test_an_average_that_overflows_from_finite_local_gradients_raises_on_every_rank(outcomes):
+    world, outcomes = outcomes
+    outs = per_rank(outcomes, "check_averaged_overflow")
+    for variant in ("reduce_dtype", "hook"):
+        messages = {out[variant]["message"] for out in outs}
+        assert len(messages) == 1, messages  # the same text on every rank
+        message = messages.pop()
+        for out in outs:
+            row = out[variant]
+            assert row["locally_finite"], row
+            assert row["nonfinite_grads"] > 0, row  # param.grad holds the non-finite average
+            assert row["diff"] <= 1e-2, row
+        assert message is not None and "local gradients were finite" in message, message
+        assert "'0.weight'" in message or "'4.weight'" in message, message
+        assert ("float16" in message) if variant == "reduce_dtype" else ("comm hook" in message)
 
 
 def test_grad_norm_follows_param_grad_after_it_changed(outcomes):
