@@ -439,6 +439,86 @@ def check_timeout_with_stalled_peer_names_the_bucket(rank, world):
     return {"outcome": result, "seconds": time.monotonic() - start}
 
 
+def check_require_backward_grad_sync_set_directly_keeps_a_micro_step_local(rank, world):
+    """Gradient accumulation by DDP's flag (custom loops, accelerate, Lightning set it): a
+    micro-step with require_backward_grad_sync=False stays local, the next one reduces the
+    sum; no_sync() reads as the flag False."""
+    models, opts = pair(Net)
+    out = {"local_grads": None, "grads": None, "params": None, "flag_in_no_sync": {}}
+    for kind, m in models.items():
+        opts[kind].zero_grad()
+        m.require_backward_grad_sync = False
+        x, y = data(rank, 0, 0)
+        loss_of(m(x), y, rank).backward()
+        m.require_backward_grad_sync = True
+        with m.no_sync():
+            out["flag_in_no_sync"][kind] = m.require_backward_grad_sync
+    out["local_grads"] = diffs(models, grads)
+    out["local_synced"] = same_on_all_ranks(list(grads(models["fr"]).values()))
+    for kind, m in models.items():
+        x, y = data(rank, 0, 1)
+        loss_of(m(x), y, rank).backward()
+        opts[kind].step()
+    out["grads"], out["params"] = diffs(models, grads), diffs(models)
+    return out
+
+
+class IgnoringNet(Net):
+    """Net whose fc1.bias and a buffer of fc2 hold rank-local values, ignored as DDP's
+    _set_params_and_buffers_to_ignore_for_model marks them."""
+
+    def __init__(self, rank):
+        super().__init__()
+        with torch.no_grad():
+            self.fc1.bias.fill_(rank + 1.0)
+        self.fc2.register_buffer("local_buf", torch.full((3,), rank + 1.0))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self, ["fc1.bias", "fc2.local_buf"])
+
+
+def check_ignored_parameters_and_buffers_stay_rank_local(rank, world):
+    models, opts = {}, {}
+    for kind in KINDS:
+        torch.manual_seed(1234)
+        models[kind] = WRAP[kind](IgnoringNet(rank))
+        opts[kind] = sgd(models[kind])
+    for i in range(2):
+        for kind, m in models.items():
+            step(m, opts[kind], rank, i)
+    fr = models["fr"].module
+    return dict(params=diffs(models), grads=diffs(models, grads), buffers=diffs(models, buffers),
+                bias=fr.fc1.bias.detach().clone(), local_buf=fr.fc2.local_buf.clone())
+
+
+def check_frozen_parameters_are_broadcast_at_construction(rank, world):
+    """A frozen layer that differs across ranks (weights loaded on rank 0 only): DDP broadcasts
+    every parameter, frozen ones too."""
+    models = {}
+    for kind in KINDS:
+        module = build(Net)
+        module.fc1.requires_grad_(False)
+        with torch.no_grad():
+            module.fc1.weight.add_(rank)
+        models[kind] = WRAP[kind](module)
+    return dict(params=diffs(models),
+                synced=same_on_all_ranks([models["fr"].module.fc1.weight]))
+
+
+def check_ddps_attributes_read_as_on_ddp(rank, world):
+    """device_ids, output_device, static_graph and bucket_bytes_cap exist as on DDP (CPU)."""
+    names = ("device_ids", "output_device", "static_graph")
+    out = {kind: {n: getattr(WRAP[kind](build(Net)), n, "missing") for n in names}
+           for kind in KINDS}
+    out["bucket_bytes_cap"] = {kind: getattr(WRAP[kind](build(Net)), "bucket_bytes_cap", None)
+                               for kind in KINDS}
+    return out
+
+
+def check_sync_batch_norm_on_cpu_is_refused_at_construction(rank, world):
+    return {kind: outcome(lambda kind=kind: WRAP[kind](torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        build(BNNet))) and "constructed") for kind in KINDS}
+
+
 CHECKS = [
     check_find_unused_with_no_sync_remembers_usage_of_the_window,
     check_undefined_gradient_leaves_grad_none,
@@ -462,6 +542,11 @@ CHECKS = [
     check_no_sync_around_forward_only_decides_the_backward,
     check_step_history_after_shrinking_trace_steps,
     check_explicit_default_first_bucket_wins_over_env,
+    check_require_backward_grad_sync_set_directly_keeps_a_micro_step_local,
+    check_ignored_parameters_and_buffers_stay_rank_local,
+    check_frozen_parameters_are_broadcast_at_construction,
+    check_ddps_attributes_read_as_on_ddp,
+    check_sync_batch_norm_on_cpu_is_refused_at_construction,
     check_timeout_with_stalled_peer_names_the_bucket,  # last: leaves a stalled collective behind
 ]
 
@@ -655,3 +740,39 @@ def test_timeout_with_stalled_live_peer_raises_within_seconds_naming_the_bucket(
     assert res[0] == "raised", f"rank 0 waited {r0['seconds']:.1f}s and did not raise"
     assert r0["seconds"] < 8, f"rank 0 raised only after {r0['seconds']:.1f}s (timeout 3 s)"
     assert "bucket" in res[2].lower(), f"{res[1]}: {res[2]}"
+
+
+def test_require_backward_grad_sync_set_directly_keeps_a_micro_step_local(outcomes):
+    check = check_require_backward_grad_sync_set_directly_keeps_a_micro_step_local
+    for rank, out in enumerate(results(outcomes, check)):
+        assert out["flag_in_no_sync"] == {"ddp": False, "fr": False}, out
+        assert_close(out["local_grads"], what="the local micro-step's gradients")
+        assert rank == 0 or out["local_synced"] > 0, out  # local: unlike rank 0's
+        assert_close(out["grads"], what="gradients after the synchronised micro-step")
+        assert_close(out["params"], what="parameters after the step")
+
+
+def test_ignored_parameters_and_buffers_stay_rank_local_as_in_ddp(outcomes):
+    for rank, out in enumerate(results(outcomes, check_ignored_parameters_and_buffers_stay_rank_local)):
+        for what in ("params", "grads", "buffers"):
+            assert_close(out[what], what=what)
+        assert torch.equal(out["local_buf"], torch.full((3,), rank + 1.0)), out  # not broadcast
+
+
+def test_frozen_parameters_are_broadcast_at_construction_as_in_ddp(outcomes):
+    for out in results(outcomes, check_frozen_parameters_are_broadcast_at_construction):
+        assert_close(out["params"], what="params")
+        assert out["synced"] == 0.0, out
+
+
+def test_ddps_attributes_read_as_on_ddp(outcomes):
+    for out in results(outcomes, check_ddps_attributes_read_as_on_ddp):
+        assert out["fr"] == out["ddp"], out
+        assert out["bucket_bytes_cap"]["fr"] == out["bucket_bytes_cap"]["ddp"], out
+
+
+def test_sync_batch_norm_on_cpu_is_refused_at_construction_as_in_ddp(outcomes):
+    for out in results(outcomes, check_sync_batch_norm_on_cpu_is_refused_at_construction):
+        assert out["ddp"][0] == "raised" and out["ddp"][1] == "ValueError", out
+        assert out["fr"][0] == "raised" and out["fr"][1] == "ValueError", out
+        assert "SyncBatchNorm" in out["fr"][2], out

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .module_states import synced_states
+
 
 class FusedReducerJoinHook(JoinHook):
     def __init__(self, model, divide_by_initial_world_size):
@@ -47,10 +49,7 @@ class FusedReducerJoinHook(JoinHook):
         """Every rank ends with the model of the last rank to join."""
         model = self.model
         source = common_rank(model, is_last_joiner)
-        tensors = [p.detach() for p in model.module.parameters()]
-        if model.forward_sync_buffers:
-            tensors += list(model.module.buffers())
-        model._broadcast(tensors, source)
+        model._broadcast(synced_states(model.module, model.forward_sync_buffers), source)
         model._reducer.set_divide_factor(0)
 
 

@@ -24,6 +24,7 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .elastic import restart_failure
 from .errors import FusedReducerError, ShardedGradientError, raise_nonfinite
 from .join import FusedReducerJoinHook, common_rank, sync_requested
+from .module_states import reduced_parameters, synced_states
 from .transport import (backend_of, check_one_rank_per_gpu, group_timeout, make_transport,
                         resolve_backend, timeout_seconds)
 from .settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
@@ -138,7 +139,7 @@ class FusedReducer(nn.Module, Joinable):
                                         straggler_threshold_ms, straggler_warn_steps)
         self.check_finite = self._health["check_finite"]
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = reduced_parameters(module)
         if not named:
             raise FusedReducerError("FusedReducer: the module has no trainable parameters "
                              "(none with requires_grad=True); there is nothing to reduce")
@@ -152,6 +153,12 @@ class FusedReducer(nn.Module, Joinable):
                              "like DDP, each process must hold its replica on one device")
         self.device = devices.pop()
         _check_device_ids(device_ids, output_device, self.device)
+        _refuse_sync_batch_norm_on_cpu(module, self.device)
+        # DDP's attributes, as DDP sets them (code written for DDP reads them).
+        gpu_ids = device_ids is not None and self.device.type == "cuda"
+        self.device_ids = [self.device.index] if gpu_ids else None
+        self.output_device = self.device.index if gpu_ids else None
+        self.static_graph = False  # static_graph=True is refused above
         self._backend_request = backend
         self.backend = resolve_backend(backend, self.device)  # what _attach tries first
         # None: the process group's own timeout, read when attaching to a group (_attach).
@@ -212,8 +219,7 @@ class FusedReducer(nn.Module, Joinable):
         if getattr(self, "init_sync", True):
             # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
             # (rank-local buffers stay rank-local); forward_sync_buffers does not.
-            buffers = list(self.module.buffers()) if self._init_sync_buffers else []
-            self._broadcast(params + buffers, 0)
+            self._broadcast(synced_states(self.module, self._init_sync_buffers), 0)
         # The autotuner's probe times this same transport; join shadows buckets through it.
         self._transport = make_transport(self.process_group, self.device, request,
                                          self._timeout_s, check_devices=False)
@@ -346,15 +352,15 @@ class FusedReducer(nn.Module, Joinable):
 
     def _will_sync_buffers(self):
         # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
-        return self.forward_sync_buffers and self._require_forward_param_sync and any(
-            True for _ in self.module.buffers())
+        return (self.forward_sync_buffers and self._require_forward_param_sync
+                and bool(synced_states(self.module, buffers=True, parameters=False)))
 
     def _sync_buffers(self, joined):
         """Broadcast the buffers (re-read: one may have been reassigned) from rank 0, or under
         join from the highest rank still training, without bumping their version counters (a
         second forward before backward must not invalidate what autograd saved)."""
         source = common_rank(self, not joined) if self._join_config.enable else 0
-        buffers = list(self.module.buffers())
+        buffers = synced_states(self.module, buffers=True, parameters=False)
         with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
             self._broadcast(buffers, source)
 
@@ -376,7 +382,7 @@ class FusedReducer(nn.Module, Joinable):
     def _reattach(self):
         """After unpickling: attach to the default process group again (collective)."""
         self.process_group = _resolve_group(None)
-        self._attach([p for _, p in self.module.named_parameters() if p.requires_grad])
+        self._attach([p for _, p in reduced_parameters(self.module)])
 
     # -- uneven inputs (DDP's join) --------------------------------------------------------------
     def join(self, divide_by_initial_world_size=True, enable=True,
@@ -535,14 +541,44 @@ class FusedReducer(nn.Module, Joinable):
         """Backward passes of forwards run inside accumulate into param.grad without
         communication; the next synchronised backward reduces the accumulated sum. Nests like
         DDP's: on exit (also when the body raises) the previous setting is restored."""
-        previous = self._syncing
-        self._reducer.set_sync_enabled(False)
-        self._syncing = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._reducer.set_sync_enabled(previous)
-            self._syncing = previous
+            self.require_backward_grad_sync = previous
+
+    @property
+    def require_backward_grad_sync(self):
+        """DDP's flag, which no_sync() sets: False keeps the backward passes of forwards run
+        meanwhile local (accumulated into param.grad); loops and libraries that accumulate
+        gradients set it directly, as on DDP."""
+        return self._syncing
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value):
+        self._syncing = bool(value)
+        if self.__dict__.get("_reducer") is not None:
+            self._reducer.set_sync_enabled(self._syncing)
+
+    @property
+    def require_forward_param_sync(self):
+        """DDP's flag: whether the last forward synchronised (buffers are broadcast before the
+        next forward only then)."""
+        return self._require_forward_param_sync
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value):
+        self._require_forward_param_sync = bool(value)
+
+    @property
+    def bucket_bytes_cap(self):
+        """DDP's name of bucket_cap_bytes (here settable while training: a rebuild applies it)."""
+        return self.bucket_cap_bytes
+
+    @bucket_bytes_cap.setter
+    def bucket_bytes_cap(self, nbytes):
+        self.bucket_cap_bytes = nbytes
 
     # -- knobs ---------------------------------------------------------------------------------
     @property
@@ -617,7 +653,7 @@ class FusedReducer(nn.Module, Joinable):
         dtype = check_reduce_dtype(dtype)
         _check_bucket_view_dtypes(
             self.gradient_as_bucket_view, dtype,
-            [(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
+            reduced_parameters(self.module))
         self._reducer.reduce_dtype = dtype
         self._reduce_dtype = dtype
 
@@ -1084,6 +1120,12 @@ def _check_device_ids(device_ids, output_device, device):
         raise FusedReducerError(
             f"FusedReducer: output_device={output_device!r} differs from the parameters' device "
             f"{device}; FusedReducer leaves outputs where the module puts them. Leave it out.")
+
+
+def _refuse_sync_batch_norm_on_cpu(module, device):
+    if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise ValueError("FusedReducer: SyncBatchNorm layers only work with GPU modules (as in "
+                         "DDP); use torch.nn.BatchNorm for a CPU model, or move it to a GPU")
 
 
 def _refuse_sparse_gradients(module):
