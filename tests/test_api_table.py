@@ -149,7 +149,7 @@ COVERAGE = {
         A + "test_prepare_for_backward_averages_one_more_backward_of_the_same_forward",
         "test_lightning.py::test_manual_optimization_two_backward_passes_per_step",
     ],
-    "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, master_dtype=None, **kwargs)`": [
+    "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, master_dtype=None, overlap_param_gather=False, **kwargs)`": [
         "test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change",
         "test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise",
         "test_sharded.py::test_state_per_rank_is_one_world_th_of_the_plain_optimizers",
@@ -251,7 +251,7 @@ COVERAGE = {
     "`straggler_report()`": [
         "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
     ],
-    "`grad_norm(norm_type=2.0)`, `clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False)`": [
+    "`grad_norm(norm_type=2.0)`, `clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None)`": [
         "test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp",
         "test_health.py::test_grad_norm_follows_param_grad_after_it_changed",
     ],

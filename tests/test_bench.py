@@ -329,6 +329,21 @@ def test_step_bench_aa_pair_and_autotune(tmp_path):
     assert "A/A fused_aa/fused" in res.stdout and "ratio tuned FusedReducer/DDP" in res.stdout
 
 
+def test_autotune_bench_smoke_sweep_tuned_and_final(tmp_path):
+    """The README's autotune comparison: a (small) exhaustive sweep, a tuned model and the
+    final interleaved timing run to the end and write their JSON (the sweep once crashed on
+    step_bench.timed_step's pair)."""
+    out_json = tmp_path / "autotune.json"
+    res = run_bench("autotune_bench.py", "--model", "many-small", "--layers", "4", "--hidden",
+                    "16", "--batch", "4", "--sweep-steps", "1", "--final-steps", "2",
+                    "--warmup", "1", "--json", str(out_json), "--quiet", timeout=280)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out_json.read_text())
+    assert result["sweep"] and result["sweep_best"], result
+    assert set(result["final_median_ms"]) >= {"default", "sweep_best", "tuned"}, result
+    assert all(ms > 0 for ms in result["final_median_ms"].values()), result
+
+
 def test_step_bench_names_the_bench_extra_when_a_library_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
     with pytest.raises(models.MissingLibrary, match=r"pip install '\.\[bench\]'"):
