@@ -539,6 +539,46 @@ def check_checkpoints_in_the_plain_format(rank, world):
     return resumed_here, same_format, state_diff
 
 
+class _WithScale(nn.Module):
+    """A 0-dim parameter beside a layer (CLIP's logit_scale, a learnable temperature): its
+    optimizer moments are 0-dim too, like a step count."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def check_zero_dim_parameters_and_a_replaced_optimizer(rank, world):
+    """Through the layout rebuild after the first step and a checkpoint resumed into a new
+    ShardedOptimizer: equal to DDP + the plain optimizer. The optimizer the new one replaced
+    refuses to step (it would read parameters as gradients)."""
+    out = {}
+    for name, cls, kwargs in (("Adam", torch.optim.Adam, dict(lr=1e-2)),
+                              ("NAdam", torch.optim.NAdam, dict(lr=1e-2)),
+                              ("SGD", torch.optim.SGD, dict(lr=1e-2, momentum=0.9))):
+        torch.manual_seed(0)
+        ours, ddp = FusedReducer(_WithScale(), backend="process_group"), DDP(_WithScale())
+        opt, ref = ShardedOptimizer(ours, cls, **kwargs), cls(ddp.parameters(), **kwargs)
+        for step in range(3):
+            _step_each(((ours, opt), (ddp, ref)), *_batch(rank, step))
+        resumed = ShardedOptimizer(ours, cls, **kwargs)
+        resumed.load_state_dict(opt.state_dict())
+        try:
+            opt.step()
+            replaced = "stepped"
+        except ShardedOptimizerError as e:
+            replaced = str(e)
+        for step in range(3, 5):
+            _step_each(((ours, resumed), (ddp, ref)), *_batch(rank, step))
+        out[name] = (_max_diff(ours.module.parameters(), ddp.module.parameters()), replaced)
+        ours.close()
+    return out
+
+
 def check_refusals(rank, world):
     ours = FusedReducer(_net(), backend="process_group")
     messages = {}
@@ -576,7 +616,8 @@ CHECKS = [check_optimizers_match_ddp, check_overlapped_param_gather, check_clip_
           check_autotune_while_training, check_torch_compile,
           check_no_sync_and_unused,
           check_reduce_dtype_and_autocast, check_master_weights, check_edge_cases,
-          check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals]
+          check_state_bytes, check_checkpoints_in_the_plain_format, check_refusals,
+          check_zero_dim_parameters_and_a_replaced_optimizer]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["world2", "world3", "world4"])
@@ -590,6 +631,14 @@ def _bound(world):
     (our padded slots put elements at other places of the collective). Measured after 8 steps:
     at most 1.6e-7 at 3 ranks, 3.6e-6 at 4 (centered RMSprop, whose denominator amplifies it)."""
     return {2: 0.0, 3: 1e-6}.get(world, 1e-5)
+
+
+def test_a_zero_dim_parameter_trains_as_ddp_and_a_replaced_optimizer_refuses_to_step(outcomes):
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_zero_dim_parameters_and_a_replaced_optimizer"):
+        for name, (diff, replaced) in out.items():
+            assert diff <= max(_bound(world), 1e-7), (name, diff)
+            assert "replaced this one" in replaced, (name, replaced)
 
 
 def test_every_elementwise_optimizer_matches_ddp_through_a_layout_change(outcomes):

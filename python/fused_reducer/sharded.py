@@ -320,7 +320,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The norm clip_grad_norm_ would clip by, without clipping (collective)."""
         return self._total_norm(norm_type)[1]
 
+    def _check_current(self):
+        """One model takes one ShardedOptimizer: the latest (a resumed one replaces the old).
+        An older one would read the buckets the newer one's all-gather fills with parameters
+        as its gradients."""
+        if self.model._live_sharded_optimizer() is not self:
+            raise ShardedOptimizerError(
+                "ShardedOptimizer: a newer ShardedOptimizer was made for this model and replaced "
+                "this one; one model takes one. For different settings per part of the model, "
+                "give one ShardedOptimizer parameter groups (params=[{'params': body, 'lr': ...}, "
+                "{'params': head, ...}])")
+
     def _total_norm(self, norm_type):
+        self._check_current()
         self.finish_param_gather()
         self._attach_gradients()
         grads = self._gradients()
@@ -362,6 +374,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        self._check_current()
         if grad_scaler is not None:
             raise ShardedOptimizerError(
                 "ShardedOptimizer: torch.amp.GradScaler (fp16 loss scaling) is not supported yet: "
@@ -502,10 +515,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         each rank keeps its fragments' part of it."""
         # torch casts floating state to the parameter's dtype: keep the checkpoint's own (fp32
         # moments and masters of bf16 parameters); each fragment takes its optimizer's dtype.
-        tensors = {(i, k): v for i, s in state_dict["state"].items() for k, v in s.items()
-                   if torch.is_tensor(v) and v.dim() > 0}
-        super().load_state_dict(state_dict)  # groups' hyperparameters; full state in self.state
         params_in_order = [p for group in self.param_groups for p in group["params"]]
+        tensors = {(i, k): v for i, s in state_dict["state"].items() for k, v in s.items()
+                   if _per_element(k, v, params_in_order[int(i)])}
+        super().load_state_dict(state_dict)  # groups' hyperparameters; full state in self.state
         for (i, key), value in tensors.items():
             self.state[params_in_order[i]][key] = value.to(params_in_order[i].device)
         self._ensure_fragments()
@@ -581,7 +594,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue
             mine = {}
             for key, value in full.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if _per_element(key, value, params[f.index]):
                     ordered = torch.empty_like(params[f.index], dtype=value.dtype)
                     ordered.copy_(value)
                     piece = _storage_order(ordered)[f.begin:f.end]
@@ -593,3 +606,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     mine[key] = value.clone() if torch.is_tensor(value) else value
             self._inner.state[f.opt] = mine
         self.state.clear()
+
+
+# What the ELEMENTWISE optimizers keep once per parameter rather than per element.
+_SCALAR_STATE = ("step", "mu_product")
+
+
+def _per_element(key, value, param):
+    """Whether optimizer state `key` of `param` holds one value per element (moments, masters)
+    rather than one for the parameter (a step count, NAdam's mu_product). A
+    0-dim parameter's moments are 0-dim too: there only the key tells."""
+    if not torch.is_tensor(value):
+        return False
+    return value.dim() > 0 if param.dim() > 0 else key not in _SCALAR_STATE
+
