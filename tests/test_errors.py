@@ -361,9 +361,9 @@ def test_peer_dying_mid_step_makes_survivor_raise_promptly_naming_the_bucket():
 
 
 def stall_past_the_group_timeout(rank, world_size):
-    """The process group was made with a 4 s timeout (spawn_ranks' pg_timeout): FusedReducer
-    without `timeout` waits that long, as DDP's collectives; an explicit timeout or another
-    group's own timeout wins. Rank 1 then stalls 10 s before its backward (alive: only a
+    """FusedReducer without `timeout` waits as long as its process group's collectives: the
+    default group's (spawn_ranks' pg_timeout, 60 s), a new_group's own (9 s, 4 s); an explicit
+    timeout wins. On the 4 s group rank 1 then stalls 10 s before its backward (alive: only a
     timeout can end rank 0's wait)."""
     on_group = FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
         [0, 1], timeout=timedelta(seconds=9)))
@@ -376,7 +376,8 @@ def stall_past_the_group_timeout(rank, world_size):
         copy = pickle.loads(pickle.dumps(original))
         copy(torch.randn(2, 4))
         timeouts[name] = copy._timeout_s
-    model = FusedReducer(nn.Linear(4, 4))
+    model = FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
+        [0, 1], timeout=timedelta(seconds=4)))
     loss = model(torch.randn(2, 4)).sum()
     if rank == 1:
         time.sleep(10)
@@ -390,10 +391,10 @@ def stall_past_the_group_timeout(rank, world_size):
 
 
 def test_the_process_groups_timeout_is_the_default_as_in_ddp():
-    outcomes = spawn_ranks(stall_past_the_group_timeout, 2, timeout=90, pg_timeout=4)
+    outcomes = spawn_ranks(stall_past_the_group_timeout, 2, timeout=90, pg_timeout=60)
     status, payload = outcomes[0]
     assert status == "ok", payload
-    assert payload["timeouts"] == dict(default=4.0, explicit=7.0, group=9.0, unpickled=4.0,
+    assert payload["timeouts"] == dict(default=60.0, explicit=7.0, group=9.0, unpickled=60.0,
                                        unpickled_explicit=7.0), payload
     assert payload["raised"] is not None and "timed out" in payload["raised"], payload
-    assert 3 < payload["elapsed"] < 9, payload  # the group's 4 s, not 10 minutes
+    assert 3 < payload["elapsed"] < 9, payload  # its group's 4 s, not the default group's 60 s
