@@ -614,11 +614,15 @@ void Reducer::unpack_bucket(Bucket& bucket, Keep keep) {
     }
     at::Tensor& grad = params_[index].mutable_grad();
     const at::Tensor& view = bucket.views[slot];
-    if (!grad.defined()) {
-      // A copy in the gradient's own dtype (the bucket's may differ: Note [Reduce dtype]).
-      grad = options_.gradient_as_bucket_view
-                 ? view
-                 : view.to(params_[index].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    if (!grad.defined() && options_.gradient_as_bucket_view) {
+      grad = view;
+    } else if (!grad.defined()) {
+      // A gradient this rank did not produce (another did): written by the same copy as the
+      // others, in the gradient's own dtype (Note [Reduce dtype]), so that every rank's
+      // statistics cover the same gradients (Note [Averages that overflow]).
+      grad = at::empty_strided(view.sizes(), view.strides(), params_[index].options());
+      jobs.push_back({view, grad, index});
+      observed_[index] = 1;
     } else if (!grad.is_alias_of(view)) {
       jobs.push_back({view, grad, index});
       observed_[index] = 1;  // the copy below adds it to norms_
@@ -911,8 +915,9 @@ std::string Reducer::exchange_health(bool joined) {
 // average can come out non-finite from finite ones when the reduction overflows (a float16
 // reduce_dtype or a compressing comm hook: sums beyond 65504). The unpack into param.grad
 // sums |x| of what it writes (norms_, Note [Statistics from the copy]), so that is seen for
-// free wherever the unpack copies. The averages are the same on every rank, so every rank
-// comes to the same verdict without an exchange. Not seen: gradient_as_bucket_view (no copy
+// free wherever the unpack copies (also a gradient this rank did not produce, so every rank
+// observes the same ones), and then confirmed on param.grad. The averages are the same on
+// every rank, so every rank comes to the same verdict without an exchange. Not seen: gradient_as_bucket_view (no copy
 // out of the bucket) and a ShardedOptimizer's shards (documented).
 std::string Reducer::averaged_nonfinite_message() const {
   if (!nonfinite_.defined() || std::isfinite(norms_.cpu().const_data_ptr<double>()[1])) {
@@ -925,6 +930,9 @@ std::string Reducer::averaged_nonfinite_message() const {
       const int64_t count = at::logical_not(at::isfinite(grad)).sum().item<int64_t>();
       if (count > 0) found.emplace_back(names_[i], count);
     }
+  }
+  if (found.empty()) {
+    return "";  // the CUDA kernel sums |x| in float: finite values can add up past its range
   }
   const auto& dtype = options_.reduce_dtype;  // finalize may hold mutex_: no locking getter
   const std::string reduction =

@@ -467,7 +467,30 @@ def check_averaged_overflow(rank, world):
                             nonfinite_grads=nonfinite_grads,
                             diff=_max_diff(ours.module.parameters(), ddp.module.parameters()))
         ours.close()
+    # A branch only rank 0 uses (find_unused_parameters): the other ranks have no gradient of
+    # their own there, yet its overflowing average reaches their param.grad too: every rank
+    # must raise, or some would step on it while the others skip.
+    torch.manual_seed(0)
+    branchy = _Branchy()
+    ours = FusedReducer(branchy, check_finite=True, find_unused_parameters=True,
+                        reduce_dtype=torch.float16)
+    x, y = _batch(rank, 0)
+    try:
+        (_loss(lambda v: ours(v, use_branch=rank == 0), x, y) * 1e6).backward()
+        out["unused_elsewhere"] = None
+    except NonFiniteGradientError as e:
+        out["unused_elsewhere"] = str(e)
+    ours.close()
     return out
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.branch = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, use_branch):
+        return self.body(x) + (self.branch(x) if use_branch else 0)
 
 
 CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
@@ -621,6 +644,9 @@ def test_an_average_that_overflows_from_finite_local_gradients_raises_on_every_r
         assert message is not None and "local gradients were finite" in message, message
         assert "'0.weight'" in message or "'4.weight'" in message, message
         assert ("float16" in message) if variant == "reduce_dtype" else ("comm hook" in message)
+    messages = {out["unused_elsewhere"] for out in outs}
+    assert len(messages) == 1 and None not in messages, messages  # every rank, the same text
+    assert "'branch.weight'" in messages.pop()
 
 
 def test_grad_norm_follows_param_grad_after_it_changed(outcomes):

@@ -147,7 +147,8 @@ class FusedReducer(nn.Module, Joinable):
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named)
-        devices = {p.device for p in params}
+        # Every parameter DDP broadcasts (frozen ones too, not the ignored ones), as DDP checks.
+        devices = {p.device for p in synced_states(module, buffers=False)}
         if len(devices) != 1:
             raise FusedReducerError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
                              "like DDP, each process must hold its replica on one device")
@@ -747,11 +748,13 @@ class FusedReducer(nn.Module, Joinable):
         if norms is None or norm_type not in (1.0, 2.0, math.inf):
             return None
         sum_sq, sum_abs, max_abs = norms.tolist()
+        if not math.isfinite(sum_abs):
+            return None  # a NaN/Inf (or a CUDA float sum past its range): torch's norm says which
         if norm_type == 2.0:
             return torch.tensor(math.sqrt(sum_sq), dtype=torch.float64)
         if norm_type == 1.0:
             return torch.tensor(sum_abs, dtype=torch.float64)
-        return torch.tensor(max_abs if math.isfinite(sum_abs) else sum_abs, dtype=torch.float64)
+        return torch.tensor(max_abs, dtype=torch.float64)
 
     def _sharded_optimizer_for(self, what):
         optimizer = self._live_sharded_optimizer()
