@@ -353,8 +353,9 @@ class FusedReducer(nn.Module, Joinable):
 
     def _will_sync_buffers(self):
         # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
-        return (self.forward_sync_buffers and self._require_forward_param_sync
-                and bool(synced_states(self.module, buffers=True, parameters=False)))
+        # A cheap early exit per forward; _sync_buffers leaves out the ignored ones.
+        return self.forward_sync_buffers and self._require_forward_param_sync and any(
+            True for _ in self.module.buffers())
 
     def _sync_buffers(self, joined):
         """Broadcast the buffers (re-read: one may have been reassigned) from rank 0, or under
