@@ -344,6 +344,20 @@ def test_autotune_bench_smoke_sweep_tuned_and_final(tmp_path):
     assert all(ms > 0 for ms in result["final_median_ms"].values()), result
 
 
+def test_norm_reference_smoke_ours_is_the_float64_norm(tmp_path):
+    """bench/norm_reference.py (docs/PERFORMANCE.md's table of torch's thread-dependent CPU
+    norm): runs, writes its rows, and the norm from the copy is the float64 norm."""
+    out_json = tmp_path / "norms.json"
+    res = run_bench("norm_reference.py", "--sizes", "5000,70000", "--threads-list", "1,2",
+                    "--json", str(out_json))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 6 and all(r["source"] == "copy" for r in rows), rows
+    for r in rows:
+        assert abs(r["ours"] - r["float64"]) <= 1e-6 * r["float64"], r
+        assert {"torch@1", "torch@2"} <= set(r), r
+
+
 def test_step_bench_names_the_bench_extra_when_a_library_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
     with pytest.raises(models.MissingLibrary, match=r"pip install '\.\[bench\]'"):
