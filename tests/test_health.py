@@ -131,20 +131,24 @@ def check_straggler(rank, world):
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("fused_reducer").addHandler(handler)
     out = {}
-    variants = {"sleepy": (True, {}), "balanced": (False, {}),
-                "high_threshold": (True, dict(straggler_threshold_ms=500.0)),
-                "fast": (True, dict(straggler_interval=2, straggler_warn_steps=2))}
-    for variant, (sleepy, settings) in variants.items():
+    # variant: (the step from which rank 1 sleeps 40 ms before backward, or None; settings);
+    # named_at counts the steps from that one (the 1st sleepy step is 1).
+    variants = {"sleepy": (0, {}), "balanced": (None, {}),
+                "late_onset": (23, {}),  # turns slow mid-run, between two exchanges
+                "high_threshold": (0, dict(straggler_threshold_ms=500.0)),
+                "fast": (0, dict(straggler_interval=2, straggler_warn_steps=2))}
+    for variant, (sleep_from, settings) in variants.items():
         records.clear()
         ours = FusedReducer(_net(), **settings)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
         named_at = warned_at = None
         named_ever = []
-        steps = 30 if sleepy else 50
+        steps = 50 if sleep_from is None else sleep_from + 30
         for step in range(steps):
             x, y = _batch(rank, step)
             opt.zero_grad()
             loss = _loss(ours, x, y)
+            sleepy = sleep_from is not None and step >= sleep_from
             if sleepy and rank == 1:
                 time.sleep(0.04)
             loss.backward()
@@ -154,8 +158,8 @@ def check_straggler(rank, world):
                 warned_at = step + 1
             if report["stragglers"]:
                 named_ever.append((step + 1, report["stragglers"]))
-                if named_at is None:
-                    named_at = step + 1
+                if named_at is None and sleepy:
+                    named_at = step + 1 - sleep_from
         path = ours.export_trace(f"/tmp/fr_health_trace_{rank}_{variant}.json")
         with open(path) as f:
             rows = {e["name"] for e in json.load(f)["traceEvents"]}
@@ -546,6 +550,11 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         assert slack[1] < 30, slow["report"]
         assert len(slow["warnings"]) == 1 and "rank 1 has been late" in slow["warnings"][0], slow
         assert "lateness of rank 1 (ms)" in slow["lateness_rows"], slow["lateness_rows"]
+        # Turning slow mid-run: named within 10 steps too, and nobody before.
+        onset = out["late_onset"]
+        assert onset["named_at"] is not None and onset["named_at"] <= 10, onset
+        assert all(step > 23 for step, _ in onset["named_ever"]), onset
+        assert onset["report"]["stragglers"] == [1], onset["report"]
         assert balanced["named_ever"] == [], balanced
         assert balanced["warnings"] == [], balanced
         assert balanced["report"]["step"] == 50, balanced["report"]

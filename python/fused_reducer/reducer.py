@@ -107,8 +107,8 @@ class FusedReducer(nn.Module, Joinable):
                  forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
                  mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
                  skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
-                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=10,
-                 straggler_window=20, straggler_threshold_ms=None, straggler_warn_steps=10):
+                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=5,
+                 straggler_window=10, straggler_threshold_ms=None, straggler_warn_steps=10):
         super().__init__()
         Joinable.__init__(self)
         _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
