@@ -299,6 +299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("straggler_report",
            [](const Reducer& reducer) { return straggler_dict(reducer.straggler_report()); })
       .def("take_straggler_warning", &Reducer::take_straggler_warning)
+      .def("begin_forward_sync", &Reducer::begin_forward_sync)
+      .def("end_forward_sync", &Reducer::end_forward_sync)
       .def("shadow_health_exchange", &Reducer::shadow_health_exchange,
            py::call_guard<py::gil_scoped_release>())
       .def("copy_norms", &Reducer::copy_norms,

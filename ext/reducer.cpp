@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <utility>
 
 #include "bucket_copy.h"
 #include "process_group_transport.h"
@@ -799,6 +800,24 @@ void Reducer::snapshot_gradients() {
     }
     grad_snapshot_[i] = {grad.unsafeGetTensorImpl(), grad._version()};
   }
+  grad_probes_ = norms_valid_ ? gradient_probes() : at::Tensor();
+}
+
+// Three elements of each gradient (first, middle and last in memory), copied: some in-place
+// changes leave the version counter as it was (GradScaler.unscale_, whose fused kernel does
+// not bump it; a change through .data; a collective on param.grad), but a scale or a new
+// value shows in them. No pass over the gradients: one small gather per step.
+at::Tensor Reducer::gradient_probes() const {
+  std::vector<at::Tensor> probes;
+  for (const at::Tensor& param : params_) {
+    const at::Tensor& grad = param.grad();
+    if (!grad.defined() || grad.numel() == 0 || !grad.is_non_overlapping_and_dense()) {
+      continue;  // left to the version counter
+    }
+    const int64_t spread = (grad.numel() - 1) / 2;
+    probes.push_back(grad.detach().as_strided({3}, {spread}, grad.storage_offset()));
+  }
+  return probes.empty() ? at::Tensor() : at::cat(probes);
 }
 
 std::optional<at::Tensor> Reducer::copy_norms() const {
@@ -813,6 +832,9 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
       return std::nullopt;  // changed since: clipped, unscaled, accumulated, replaced
     }
   }
+  if (grad_probes_.defined() && !at::equal(gradient_probes(), grad_probes_)) {
+    return std::nullopt;  // changed without a version bump (unequal also where NaN)
+  }
   return norms_.clone();
 }
 
@@ -822,9 +844,10 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
 // Note [Lateness from slack on the GPU]. `exchanging`: this step exchanges the health row.
 std::vector<double> Reducer::take_slack_samples(bool exchanging) {
   if (params_.front().is_cpu()) {
+    const double forward_ms = std::exchange(forward_sync_ms_, 0.0);
     for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
       if (!it->skipped && !std::isnan(it->timing.ready_last_us)) {
-        return {(it->timing.complete_us - it->timing.ready_last_us) / 1000.0};
+        return {forward_ms + (it->timing.complete_us - it->timing.ready_last_us) / 1000.0};
       }
     }
     return {};
@@ -846,30 +869,67 @@ std::vector<double> Reducer::take_slack_samples(bool exchanging) {
   for (size_t age = 1; age <= kSlackSlots; ++age) {
     SlackEvents& events = slack_events_[(slack_slot_ + age) % kSlackSlots];  // oldest first
     if (events.recorded && events.ready->query() && events.complete->query()) {
-      samples.push_back(events.ready->elapsedTime(*events.complete));
+      // The forward's events precede the pair on the same stream: finished too.
+      const double forward_ms = events.forward_recorded
+                                    ? events.forward_begin->elapsedTime(*events.forward_end)
+                                    : 0.0;
+      samples.push_back(forward_ms + events.ready->elapsedTime(*events.complete));
       events.recorded = false;
     }
   }
   slack_slot_ = (slack_slot_ + 1) % kSlackSlots;
   slack_events_[slack_slot_].recorded = false;  // overwritten from now on
+  slack_events_[slack_slot_].forward_recorded = false;
   return samples;
+}
+
+bool Reducer::slack_on_device() const {
+  return !params_.front().is_cpu() && health_.options().straggler_interval > 0;
+}
+
+// The forward's collectives (buffer broadcast, join's all-reduce) are where a rank waits for
+// one that is late before its forward (data loading) whenever the model has buffers or joins:
+// the buckets then find every rank in step. So the wait there counts into the step's slack:
+// the host clock on CPU (the collectives block), timing events on the compute stream on a GPU
+// (the last training forward before the backward: its slot, Note [Lateness from slack on the
+// GPU]).
+void Reducer::begin_forward_sync() {
+  if (!slack_on_device()) {
+    forward_sync_begin_us_ = now_us();
+    return;
+  }
+  record_stream_event(slack_events_[slack_slot_].forward_begin);
+  slack_events_[slack_slot_].forward_recorded = false;
+}
+
+void Reducer::end_forward_sync() {
+  if (!slack_on_device()) {
+    forward_sync_ms_ = (now_us() - forward_sync_begin_us_) / 1000.0;
+    return;
+  }
+  SlackEvents& events = slack_events_[slack_slot_];
+  record_stream_event(events.forward_end);
+  events.forward_recorded = events.forward_begin.has_value();
+}
+
+void Reducer::record_stream_event(std::optional<c10::Event>& event) const {
+  const at::Tensor& first = params_.front();
+  if (!event) {
+    event.emplace(first.device().type(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
+  }
+  const auto* guard = c10::impl::getDeviceGuardImpl(first.device().type());
+  event->record(guard->getStream(first.device()));
 }
 
 // Records this step's ready (after a bucket's launch) or complete (after a bucket's wait)
 // event on the current stream; the last of each in a step is what take_slack_samples
 // reads. GPU only, and only when the straggler exchange is on.
 void Reducer::record_slack_event(bool complete) {
-  const at::Tensor& first = params_.front();
-  if (first.is_cpu() || health_.options().straggler_interval == 0) {
+  if (!slack_on_device()) {
     return;
   }
   SlackEvents& events = slack_events_[slack_slot_];
-  std::optional<c10::Event>& event = complete ? events.complete : events.ready;
-  if (!event) {
-    event.emplace(first.device().type(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
-  }
-  const auto* guard = c10::impl::getDeviceGuardImpl(first.device().type());
-  event->record(guard->getStream(first.device()));
+  record_stream_event(complete ? events.complete : events.ready);
   events.recorded = complete && events.ready.has_value();
 }
 

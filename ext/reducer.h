@@ -232,6 +232,10 @@ class Reducer {
   std::string take_straggler_warning();
   // A joined rank's part in the health exchange of a step it shadows (join).
   void shadow_health_exchange();
+  // Around the collectives a training forward runs (buffer broadcast, join's all-reduce):
+  // a rank waits there too, so its slack counts that wait (Note [Lateness from slack]).
+  void begin_forward_sync();
+  void end_forward_sync();
   // float64 [sum of x^2, sum of |x|, max |x|] of param.grad as the last synchronised step
   // unpacked it (Note [Statistics from the copy]); nullopt when param.grad is no longer
   // what that step wrote (changed in place, replaced, sharded mode, a parameter left out).
@@ -288,8 +292,11 @@ class Reducer {
   CopyStats pack_stats() const;
   CopyStats unpack_stats() const;
   void snapshot_gradients();
+  at::Tensor gradient_probes() const;
   std::vector<double> take_slack_samples(bool exchanging);
   void record_slack_event(bool complete);
+  bool slack_on_device() const;
+  void record_stream_event(std::optional<c10::Event>& event) const;
   std::string exchange_health(bool joined);
   std::string averaged_nonfinite_message() const;
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
@@ -379,15 +386,22 @@ class Reducer {
     std::optional<c10::Event> ready;     // after the last launched bucket's copy
     std::optional<c10::Event> complete;  // after the wait for the last bucket's collective
     bool recorded = false;
+    std::optional<c10::Event> forward_begin;  // around the forward's collectives
+    std::optional<c10::Event> forward_end;
+    bool forward_recorded = false;
   };
   static constexpr size_t kSlackSlots = 4;
   std::array<SlackEvents, kSlackSlots> slack_events_;
   size_t slack_slot_ = 0;
+  // CPU: the host clock around this step's forward collectives (begin_forward_sync).
+  double forward_sync_begin_us_ = 0;
+  double forward_sync_ms_ = 0;
   std::function<void(const std::string&)> nonfinite_handler_;
   at::Tensor nonfinite_;
   at::Tensor norms_;
   std::vector<char> observed_;  // parameters whose unpack added to norms_
   std::vector<std::pair<const void*, int64_t>> grad_snapshot_;  // param.grad impl, version
+  at::Tensor grad_probes_;  // gradient_probes() as the unpack wrote them
   bool norms_valid_ = false;
 };
 

@@ -107,8 +107,12 @@ int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
 // has contributed. So a rank's slack (from its last bucket being ready to that
 // collective's completion, both on its own clock) is long on an early rank and short on
 // the late one, and lateness(r) = max over ranks of slack - slack(r): how long after the
-// earliest rank r's buckets were ready. Each rank reports the median of its last
-// `straggler_window` slacks, so one slow step does not name a rank.
+// earliest rank r's buckets were ready. The collectives of a training forward (buffer
+// broadcast, join's all-reduce) are a meeting point too: with them a rank late before its
+// forward (data loading) is waited for there, and every rank's buckets are then in step; so
+// a step's slack is its wait there plus its last bucket's (Reducer::begin_forward_sync). Each
+// rank reports the median of its last `straggler_window` slacks, so one slow step does not
+// name a rank.
 void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
   const int64_t step = steps_;  // counted alike on joined ranks: the report is the same on all
   const double* rows = summed_rows.const_data_ptr<double>();

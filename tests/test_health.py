@@ -132,14 +132,19 @@ def check_straggler(rank, world):
     logging.getLogger("fused_reducer").addHandler(handler)
     out = {}
     # variant: (the step from which rank 1 sleeps 40 ms before backward, or None; settings);
-    # named_at counts the steps from that one (the 1st sleepy step is 1).
+    # named_at counts the steps from that one (the 1st sleepy step is 1). "loader_bn": it sleeps
+    # before forward instead (data loading) in a model with a BatchNorm, whose buffer broadcast
+    # in forward is then where the others wait for it.
     variants = {"sleepy": (0, {}), "balanced": (None, {}),
                 "late_onset": (23, {}),  # turns slow mid-run, between two exchanges
+                "loader_bn": (0, {}),
                 "high_threshold": (0, dict(straggler_threshold_ms=500.0)),
                 "fast": (0, dict(straggler_interval=2, straggler_warn_steps=2))}
     for variant, (sleep_from, settings) in variants.items():
         records.clear()
-        ours = FusedReducer(_net(), **settings)
+        before_forward = variant == "loader_bn"
+        net = nn.Sequential(nn.BatchNorm1d(16), _net()) if before_forward else _net()
+        ours = FusedReducer(net, **settings)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
         named_at = warned_at = None
         named_ever = []
@@ -147,9 +152,11 @@ def check_straggler(rank, world):
         for step in range(steps):
             x, y = _batch(rank, step)
             opt.zero_grad()
-            loss = _loss(ours, x, y)
             sleepy = sleep_from is not None and step >= sleep_from
-            if sleepy and rank == 1:
+            if sleepy and rank == 1 and before_forward:
+                time.sleep(0.04)
+            loss = _loss(ours, x, y)
+            if sleepy and rank == 1 and not before_forward:
                 time.sleep(0.04)
             loss.backward()
             opt.step()
@@ -435,6 +442,39 @@ def check_grad_scaler(rank, world):
     return dict(runs=runs, diff=diff)
 
 
+def check_norm_after_changes_the_version_counter_misses(rank, world):
+    """The AMP recipe (scaler.unscale_(opt), then clip) and two other in-place changes that do
+    not bump param.grad's version counter (a change through .data, an all-reduce on
+    param.grad): the norm is that of param.grad as it is then, as torch's clip under DDP."""
+    ours, ddp = FusedReducer(_net()), DDP(_net())
+    out = {}
+    for name, model in (("ours", ours), ("ddp", ddp)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        x, y = _batch(rank, 0)
+        scaler.scale(_loss(model, x, y)).backward()
+        scaler.unscale_(opt)
+        norm = (ours.clip_grad_norm_(1.0) if model is ours
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        out[name] = (float(norm), [p.grad.clone() for p in model.parameters()])
+    out["unscale_"] = (out["ours"][0], out["ddp"][0],
+                       _max_diff(out.pop("ours")[1], out.pop("ddp")[1]))
+    for change in ("data", "all_reduce"):
+        ours.zero_grad(set_to_none=True)
+        x, y = _batch(rank, 1)
+        _loss(ours, x, y).backward()
+        assert float(ours.grad_norm()) > 0 and ours._norm_source == "copy"
+        for p in ours.parameters():
+            if change == "data":
+                p.grad.data.mul_(0.5)
+            else:
+                dist.all_reduce(p.grad)  # summed again: world times the average
+        torch_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()]))
+        out[change] = (float(ours.grad_norm()), torch_norm, ours._norm_source)
+    ours.close()
+    return out
+
+
 def check_averaged_overflow(rank, world):
     """Finite local gradients whose float16 reduction overflows (reduce_dtype=torch.float16, or
     torch's fp16_compress_hook): every rank raises, naming the parameters, param.grad holding
@@ -499,7 +539,8 @@ class _Branchy(nn.Module):
 
 CHECKS = [check_nonfinite, check_straggler, check_clip_norms, check_norm_follows_param_grad,
           check_complex_clip, check_join, check_norm_of_a_large_layer,
-          check_norm_edges, check_grad_scaler, check_averaged_overflow]
+          check_norm_edges, check_grad_scaler, check_averaged_overflow,
+          check_norm_after_changes_the_version_counter_misses]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -550,6 +591,11 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         assert slack[1] < 30, slow["report"]
         assert len(slow["warnings"]) == 1 and "rank 1 has been late" in slow["warnings"][0], slow
         assert "lateness of rank 1 (ms)" in slow["lateness_rows"], slow["lateness_rows"]
+        # Slow before forward, the wait in the buffer broadcast: named all the same.
+        loader = out["loader_bn"]
+        assert loader["named_at"] is not None and loader["named_at"] <= 10, loader
+        assert loader["report"]["stragglers"] == [1], loader["report"]
+        assert loader["report"]["lateness_ms"][1] >= 30, loader["report"]
         # Turning slow mid-run: named within 10 steps too, and nobody before.
         onset = out["late_onset"]
         assert onset["named_at"] is not None and onset["named_at"] <= 10, onset
@@ -674,3 +720,15 @@ def test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join(outcom
         assert out["report_step"] > 0, out
     # The joined ranks shadowed the others' steps: the report is the same on every rank.
     assert len({(out["report_step"], out["late_steps"]) for out in outs}) == 1, outs
+
+
+def test_the_norm_follows_changes_the_version_counter_misses_unscale_data_all_reduce(outcomes):
+    """GradScaler.unscale_ (its fused kernel leaves the version counter), .data and a collective
+    on param.grad: the norm is param.grad's as it is, as torch's clip under DDP."""
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_norm_after_changes_the_version_counter_misses"):
+        mine, theirs, diff = out["unscale_"]
+        assert abs(mine - theirs) <= 1e-6 * theirs and diff <= 1e-6, out["unscale_"]
+        for change in ("data", "all_reduce"):
+            mine, theirs, source = out[change]
+            assert abs(mine - theirs) <= 1e-6 * theirs and source == "torch", (change, out[change])

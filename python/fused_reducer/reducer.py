@@ -334,6 +334,8 @@ class FusedReducer(nn.Module, Joinable):
         self._transport.check()  # a collective that failed in the background raises here
         _refuse_compiled_autograd()
         grad_sync = torch.is_grad_enabled() and self._syncing
+        if grad_sync:  # a rank waits in this forward's collectives too (straggler_report)
+            self._reducer.begin_forward_sync()
         join_work = Join.notify_join_context(self)
         self._set_divide_factor(join_work)
         if torch.is_grad_enabled():
@@ -349,6 +351,8 @@ class FusedReducer(nn.Module, Joinable):
             _log.warning(warning)
         if self._join_config.enable:
             sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
+        if grad_sync:
+            self._reducer.end_forward_sync()
         self._require_forward_param_sync = grad_sync
 
     def _will_sync_buffers(self):
