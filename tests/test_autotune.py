@@ -244,7 +244,87 @@ def check_last_bucket(rank, world_size):
     return report
 
 
-CHECKS = [check_tuning, check_autotune_method, check_finds_faster, check_last_bucket]
+def check_misuse(rank, world_size):
+    """What a user gets wrong, answered on every rank with an error naming the option, never a
+    hang: bad options (refused by autotune() itself, before any forward), a failure while rank
+    0 plans (every rank raises, training goes on), a restart mid-measurement (starts from the
+    user's limits, not the trial layout in force), ignored parameters (DDP's ignore list: the
+    tuner plans for the reducer's parameters), and a closed model."""
+    import fused_reducer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {}
+    fr = fused_reducer.FusedReducer(make_model(width=64, depth=4))
+    opt = torch.optim.SGD(fr.parameters(), lr=LR)
+    refused = {}
+    for name, options in {"zero_layout": dict(candidates=[(0, 0, 0)]),
+                          "negative_last": dict(candidates=[(MiB, MiB, -5)]),
+                          "empty": dict(candidates=[]),
+                          "min_steps": dict(min_steps=0),
+                          "round_steps": dict(round_steps=()),
+                          "margin": dict(margin=float("nan")),
+                          "huge": dict(candidates=[(1 << 63, 1 << 63, 0)])}.items():
+        try:
+            fr.autotune(**options)
+            refused[name] = None
+        except ValueError as e:
+            refused[name] = str(e)
+    out["refused"] = refused
+    out["tuner_after_refusals"] = fr._tuner
+    # Rank 0 fails while planning: every rank hears it in the same forward.
+    fr.autotune(candidates=[(4096, 4096, 0)])
+    fr._tuner._rank0_plan = None if rank == 0 else fr._tuner._rank0_plan  # not callable
+    raised = []
+    for step in range(4):
+        try:
+            train_step(fr, opt, rank, step, width=64)
+        except RuntimeError as e:
+            raised.append((step, "rank 0 could not plan" in str(e)))
+    out["plan_failure"] = (raised, fr.autotune_report()["state"])
+    # A restart mid-measurement starts from the user's limits.
+    user = (fr.bucket_caps_bytes, fr.last_bucket_bytes)
+    fr.autotune(candidates=[(4096, 4096, 8192)], round_steps=(3,))
+    step = 10
+    while fr.autotune_report()["state"] != "measuring" or fr.last_bucket_bytes != 8192:
+        train_step(fr, opt, rank, step, width=64)
+        step += 1
+        assert step < 40, fr.autotune_report()
+    fr.autotune(candidates=[(2048, 2048, 0)])
+    out["restart"] = (user, (fr.bucket_caps_bytes, fr.last_bucket_bytes))
+    while not fr.autotune_report()["done"]:
+        train_step(fr, opt, rank, step, width=64)
+        step += 1
+        assert step < 80, fr.autotune_report()
+    out["restart_incumbent"] = fr.autotune_report()["incumbent"]
+    fr.close()
+    # Ignored parameters are not the reducer's: the tuner's layouts cover the others only.
+    net = make_model(width=64, depth=4)
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ["0.weight", "0.bias"])
+    fr = fused_reducer.FusedReducer(net)
+    opt = torch.optim.SGD(fr.parameters(), lr=LR)
+    fr.autotune(candidates=[(4096, 4096, 0)], round_steps=(1,))
+    step = 0
+    while not fr.autotune_report()["done"]:
+        train_step(fr, opt, rank, step, width=64)
+        step += 1
+        assert step < 40, fr.autotune_report()
+    out["ignored"] = (fr.autotune_report()["state"],
+                      sorted(n for b in fr.bucket_parameter_names() for n in b))
+    fr.close()
+    closed = {}
+    for what, call in {"first_bucket_bytes": lambda: fr.first_bucket_bytes,
+                       "bucket_sizes": fr.bucket_sizes, "stats": fr.stats,
+                       "autotune": fr.autotune}.items():
+        try:
+            call()
+            closed[what] = None
+        except RuntimeError as e:
+            closed[what] = str(e)
+    out["closed"] = closed
+    return out
+
+
+CHECKS = [check_tuning, check_autotune_method, check_finds_faster, check_last_bucket,
+          check_misuse]
 
 
 @pytest.fixture(scope="module")
@@ -471,7 +551,8 @@ def _one_trial_samples(monkeypatch, device, steps=3):
     monkeypatch.setattr(autotune.dist, "broadcast_object_list", lambda box, **kwargs: None)
     monkeypatch.setattr(autotune, "control_allreduce", lambda values, *args: list(values))
     model = _StubModel(device)
-    tuner = autotune.Autotuner(model, round_steps=(steps,), min_steps=0)
+    tuner = autotune.Autotuner(model, round_steps=(steps,), min_steps=1)
+    model._reducer.steps = 1  # a backward completed before tuning starts
 
     def plan():  # only the incumbent: no probe, no collectives
         tuner.incumbent = tuner.current = autotune.candidate(model.bucket_caps_bytes,
@@ -542,3 +623,24 @@ def test_cuda_trials_are_timed_by_events_on_the_current_stream(monkeypatch):
     first_sync = calls.index(("synchronize",))
     assert all(c[0] == "record" for c in calls[:first_sync]), "no host sync while stepping"
     assert calls[first_sync:] == [("synchronize",), ("elapsed_time",)] * 3
+
+
+def test_misuse_is_an_error_naming_the_option_on_every_rank_never_a_hang(outcomes):
+    for r in per_rank(outcomes, "check_misuse"):
+        refused = r["refused"]
+        assert all(refused.values()), refused
+        assert "candidates layout (0, 0, 0)" in refused["zero_layout"], refused
+        assert "candidates layout" in refused["negative_last"], refused
+        assert "candidates is empty" in refused["empty"], refused
+        assert "min_steps" in refused["min_steps"] and "round_steps" in refused["round_steps"]
+        assert "margin" in refused["margin"] and "2**62" in refused["huge"], refused
+        assert r["tuner_after_refusals"] is None  # nothing started
+        raised, state = r["plan_failure"]
+        assert [ok for _, ok in raised] == [True] and state == "done", r["plan_failure"]
+        user, after_restart = r["restart"]
+        assert after_restart == user, r["restart"]
+        assert (r["restart_incumbent"]["bucket_caps_bytes"],
+                r["restart_incumbent"]["last_bucket_bytes"]) == user, r["restart_incumbent"]
+        state, names = r["ignored"]
+        assert state == "done" and "0.weight" not in names and "2.weight" in names, r["ignored"]
+        assert all(v and "closed" in v for v in r["closed"].values()), r["closed"]

@@ -72,7 +72,7 @@ def test_no_initialised_process_group_raises_runtime_error_naming_init_process_g
 
 
 @pytest.mark.parametrize("value, exc", [
-    (0, ValueError), (-1, ValueError), (-(1 << 40), ValueError),
+    (0, ValueError), (-1, ValueError), (-(1 << 40), ValueError), (1 << 63, ValueError),
     (1.5, TypeError), ("x", TypeError), (None, TypeError), (True, TypeError),
 ])
 def test_set_default_first_bucket_bytes_rejects_bad_values_naming_the_setting(value, exc):
@@ -80,6 +80,16 @@ def test_set_default_first_bucket_bytes_rejects_bad_values_naming_the_setting(va
     with pytest.raises(exc, match="first_bucket_bytes"):
         fused_reducer.set_default_first_bucket_bytes(value)
     assert fused_reducer.get_default_first_bucket_bytes() == before  # unchanged
+
+
+def test_sizes_beyond_any_memory_are_refused_naming_the_setting():
+    """Above 2**62 bytes a limit would not fit the C++ reducer's int64: a plain error naming it,
+    not pybind's "incompatible function arguments"."""
+    from fused_reducer.settings import check_bucket_caps, megabytes_to_bytes
+    with pytest.raises(ValueError, match=r"bucket_caps_bytes\[1\].*2\*\*62"):
+        check_bucket_caps([1 << 20, 1 << 64])
+    with pytest.raises(ValueError, match="bucket_cap_mb.*beyond any memory"):
+        megabytes_to_bytes("bucket_cap_mb", 1e30)
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-3", "1.5", "16MiB"])

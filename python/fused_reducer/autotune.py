@@ -30,6 +30,7 @@ here runs per parameter. docs/TUNING.md describes it for users.
 """
 import logging
 import math
+import numbers
 import statistics
 import time
 import weakref
@@ -66,6 +67,11 @@ def verification_table(verification):
                else f"every prediction within {verification['tolerance_pct']:.0f} %")
     lines.append(f"# {verdict}")
     return "\n".join(lines)
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"autotune: {name} must be an int >= {low}, got {value!r}")
 
 
 def _finite(x):
@@ -143,10 +149,25 @@ class Autotuner:
     def __init__(self, model, max_candidates=None, round_steps=(2, 4), warmup_steps=1,
                  margin=0.02, z=2.0, candidates=None, min_steps=2, planner_hint=None,
                  verify=False):
-        if max_candidates is not None and max_candidates < 2:
-            raise ValueError(f"max_candidates must be >= 2, got {max_candidates}")
-        if not round_steps or any(int(s) < 1 for s in round_steps):
-            raise ValueError(f"round_steps must be a non-empty list of ints >= 1, got {round_steps}")
+        # Every option is checked here, on every rank: a bad one found later, inside a forward
+        # on rank 0 alone, would leave the other ranks waiting for its plan.
+        if max_candidates is not None:
+            _check_int("max_candidates", max_candidates, 2)
+        try:
+            round_steps = list(round_steps)
+        except TypeError:
+            round_steps = []
+        if not round_steps:
+            raise ValueError(f"autotune: round_steps must be a non-empty list of ints >= 1, got "
+                             f"{round_steps!r}")
+        for steps in round_steps:
+            _check_int("round_steps entries", steps, 1)
+        _check_int("warmup_steps", warmup_steps, 0)
+        _check_int("min_steps", min_steps, 1)
+        for name, value in (("margin", margin), ("z", z)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"autotune: {name} must be a finite number >= 0, got {value!r}")
         self._model = weakref.ref(model)  # the model owns its tuner: no reference cycle
         self.max_candidates = None if max_candidates is None else int(max_candidates)
         self.round_steps = [int(s) for s in round_steps]
@@ -154,7 +175,13 @@ class Autotuner:
         self.margin = float(margin)
         self.z = float(z)
         self.decision = None
-        self.explicit = None if candidates is None else [tuple(int(v) for v in c) for c in candidates]
+        self.explicit = None
+        if candidates is not None:
+            from .plan import checked_layouts
+            self.explicit = checked_layouts("autotune candidates", candidates)
+            if not self.explicit:
+                raise ValueError("autotune: candidates is empty; give at least one (first, cap, "
+                                 "last) or leave it None for the grid")
         self.min_steps = int(min_steps)
         self.group = model.process_group
         self.clock = step_clock(model.device)
@@ -189,6 +216,13 @@ class Autotuner:
         self.model_info = None
         self.considered = 0
 
+    def abandon(self):
+        """Stop tuning; a trial layout in force gives way to the starting configuration (a new
+        autotune() then starts from the user's limits, not from a trial's)."""
+        if self.state == "measuring" and self.current != self.incumbent:
+            self._set(self.incumbent)
+        self.state = "done"
+
     # -- driven by forward ---------------------------------------------------------------------
     def on_forward(self):
         if self.state == "done":
@@ -221,17 +255,23 @@ class Autotuner:
         model = self.model
         reducer = model._reducer
         self.incumbent = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        info = ParamInfo(params, model.reduce_dtype)
+        info = ParamInfo(model._reducer_params(), model.reduce_dtype)
         latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group,
                                                    control_device=model._control_device)
         plan = None
         if self.rank == 0:
-            plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us)
+            try:
+                plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they wait
+                plan = {"error": f"{type(e).__name__}: {e}"}
         box = [plan]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
                                    device=self.model._control_device)
         plan = box[0]
+        if "error" in plan:
+            self.state = "done"  # tuning abandoned; the limits in force stay
+            raise RuntimeError(f"FusedReducer.autotune: rank 0 could not plan the trials "
+                               f"({plan['error']}); training goes on with the limits in force")
         self.plan = plan["trials"]
         self.model_info = plan["model"]
         self.considered = plan["considered"]

@@ -500,16 +500,32 @@ def hinted_layouts(hint, world):
     entry = _plan_entry(hint, world)
     if entry is not None:
         hint = [candidate_from_json(r) for r in entry["best_layouts"]]
+    return checked_layouts("planner_hint", hint)
+
+
+def checked_layouts(name, layouts):
+    """`layouts` (first, cap, last) or (limit, ..., last) in bytes as a list of int tuples,
+    duplicates dropped; ValueError naming `name` and the layout otherwise."""
     try:
-        candidates = [tuple(int(v) for v in c) for c in hint]
+        candidates = [tuple(_layout_int(v) for v in c) for c in layouts]
     except (TypeError, ValueError):
-        raise ValueError(f"planner_hint must be a plan, a plan file or a list of (first, cap, "
-                         f"last), got {hint!r}") from None
+        what = "a plan, a plan file or a list" if name == "planner_hint" else "a list"
+        raise ValueError(f"{name} must be {what} of (first, cap, last) in bytes, got "
+                         f"{layouts!r}") from None
     for c in candidates:
-        if len(c) < 2 or min(c[:-1]) <= 0 or c[-1] < 0:
-            raise ValueError(f"planner_hint layout {c!r}: need (first > 0, cap > 0, last >= 0) "
-                             f"bytes, or (limit > 0, ..., last >= 0)")
+        if len(c) < 2 or min(c[:-1]) <= 0 or c[-1] < 0 or max(c) > MAX_LAYOUT_BYTES:
+            raise ValueError(f"{name} layout {c!r}: need (first > 0, cap > 0, last >= 0) "
+                             f"bytes, or (limit > 0, ..., last >= 0), each at most 2**62")
     return list(dict.fromkeys(candidates))
+
+
+MAX_LAYOUT_BYTES = 1 << 62
+
+
+def _layout_int(value):
+    if isinstance(value, bool) or int(value) != value:
+        raise ValueError(value)
+    return int(value)
 
 
 def planned_steps(hint, world):

@@ -379,10 +379,15 @@ class FusedReducer(nn.Module, Joinable):
     def _checked_reducer(self):
         """The C++ reducer, once a collective that failed in the background (NCCL watchdog) has
         raised: setters report it like forward does."""
+        reducer = self._live_reducer()
+        self._transport.check()
+        return reducer
+
+    def _live_reducer(self):
+        """The C++ reducer; a closed or unpickled model has none until attached again."""
         if self._reducer is None:
             raise RuntimeError("FusedReducer: this model was closed or unpickled; run a forward "
                                "(after unpickling) or wrap the module again (after close())")
-        self._transport.check()
         return self._reducer
 
     def _reattach(self):
@@ -603,7 +608,7 @@ class FusedReducer(nn.Module, Joinable):
         while training. ``first_bucket_bytes`` is its first entry, ``bucket_cap_bytes`` its
         last. Setting it (a non-empty list of ints > 0) rebuilds at the next forward, and
         every later rebuild keeps it, like the other limits."""
-        return list(self._reducer.bucket_caps_bytes)
+        return list(self._live_reducer().bucket_caps_bytes)
 
     @bucket_caps_bytes.setter
     def bucket_caps_bytes(self, caps):
@@ -613,7 +618,7 @@ class FusedReducer(nn.Module, Joinable):
     def first_bucket_bytes(self):
         """Size limit of the first bucket to launch. Setting it rebuilds the layout at the next
         forward from the last observed gradient order; the value persists across rebuilds."""
-        return self._reducer.first_bucket_bytes
+        return self._live_reducer().first_bucket_bytes
 
     @first_bucket_bytes.setter
     def first_bucket_bytes(self, nbytes):
@@ -622,7 +627,7 @@ class FusedReducer(nn.Module, Joinable):
     @property
     def bucket_cap_bytes(self):
         """Size limit of every bucket after the first; same rules as first_bucket_bytes."""
-        return self._reducer.bucket_cap_bytes
+        return self._live_reducer().bucket_cap_bytes
 
     @bucket_cap_bytes.setter
     def bucket_cap_bytes(self, nbytes):
@@ -633,13 +638,16 @@ class FusedReducer(nn.Module, Joinable):
         """Size of a separate last bucket (0 = none): the last gradients of backward, at least
         this many bytes, reduced on their own so the reduction left after backward is short.
         Same rules as first_bucket_bytes; 0 or None turns it off."""
-        return self._reducer.last_bucket_bytes
+        return self._live_reducer().last_bucket_bytes
 
     @last_bucket_bytes.setter
     def last_bucket_bytes(self, nbytes):
         if nbytes is None or (isinstance(nbytes, int) and not isinstance(nbytes, bool)
                               and nbytes == 0):
             nbytes = 0
+        elif isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes < 0:
+            raise ValueError(f"last_bucket_bytes must be 0 or None (off) or a positive number of "
+                             f"bytes, got {nbytes}")
         else:
             nbytes = check_bytes("last_bucket_bytes", nbytes)
         self._checked_reducer().last_bucket_bytes = nbytes
@@ -652,7 +660,7 @@ class FusedReducer(nn.Module, Joinable):
         rank 0's value wins. Gradients are scaled, cast into the bucket, reduced, and cast back
         into param.grad in their own dtype; bucket limits count bytes of this dtype.
         See docs/REDUCE_DTYPE.md."""
-        return self._reducer.reduce_dtype
+        return self._live_reducer().reduce_dtype
 
     @reduce_dtype.setter
     def reduce_dtype(self, dtype):
@@ -660,7 +668,7 @@ class FusedReducer(nn.Module, Joinable):
         _check_bucket_view_dtypes(
             self.gradient_as_bucket_view, dtype,
             reduced_parameters(self.module))
-        self._reducer.reduce_dtype = dtype
+        self._checked_reducer().reduce_dtype = dtype
         self._reduce_dtype = dtype
 
     def rebuild_buckets(self):
@@ -674,7 +682,11 @@ class FusedReducer(nn.Module, Joinable):
         new layout only takes effect at a forward. When done, the choice is the value of the
         properties. Options: see fused_reducer.autotune.Autotuner."""
         from .autotune import Autotuner
-        self._tuner = Autotuner(self, **options)
+        self._checked_reducer()
+        tuner = Autotuner(self, **options)  # bad options raise here, on every rank
+        if self._tuner is not None:
+            self._tuner.abandon()  # a restart starts from the user's limits, not a trial's
+        self._tuner = tuner
 
     def autotune_report(self):
         """{done, trials: [{first_bucket_bytes, bucket_cap_bytes, last_bucket_bytes, step_ms,
@@ -772,11 +784,11 @@ class FusedReducer(nn.Module, Joinable):
     # -- introspection -------------------------------------------------------------------------
     def bucket_sizes(self):
         """Bytes per bucket of the layout in force, in launch order."""
-        return list(self._reducer.bucket_sizes())
+        return list(self._live_reducer().bucket_sizes())
 
     def bucket_parameter_names(self):
         """Parameter names per bucket of the layout in force, in launch order."""
-        return [[self._param_names[i] for i in bucket] for bucket in self._reducer.bucket_params()]
+        return [[self._param_names[i] for i in bucket] for bucket in self._live_reducer().bucket_params()]
 
     def stats(self):
         """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits,
@@ -784,12 +796,12 @@ class FusedReducer(nn.Module, Joinable):
         telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
         ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
         first gradient), overlap, exposed_wait_us, backward_end_us."""
-        return dict(self._reducer.stats())
+        return dict(self._live_reducer().stats())
 
     def step_history(self):
         """Telemetry of the last steps kept (at most trace_steps), oldest first: one dict per
         step like stats()'s telemetry, with the limits in force and per-bucket records."""
-        return list(self._reducer.history())
+        return list(self._live_reducer().history())
 
     @property
     def trace_steps(self):
@@ -826,6 +838,7 @@ class FusedReducer(nn.Module, Joinable):
         machine (docs/PLANNING.md). Collective: call on every rank after >= 2 steps; rank 0
         writes `path` (every rank with "{rank}" in it). Returns the path written or None."""
         from .profile import export_profile
+        self._checked_reducer()
         return export_profile(self, path)
 
     # -- debug logging (FUSED_REDUCER_DEBUG=1) ---------------------------------------------------
@@ -852,9 +865,9 @@ def _health_settings(check_finite, straggler_interval, straggler_window, straggl
     for name, value, low in (("straggler_interval", straggler_interval, 0),
                              ("straggler_window", straggler_window, 1),
                              ("straggler_warn_steps", straggler_warn_steps, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise FusedReducerError(f"FusedReducer: {name} must be an int >= {low} (steps), got "
-                                    f"{value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**62:
+            raise FusedReducerError(f"FusedReducer: {name} must be an int >= {low} (steps, below "
+                                    f"2**62), got {value!r}")
     threshold = straggler_threshold_ms
     if threshold is None:
         threshold = 0.0  # automatic

@@ -7,6 +7,7 @@ MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # DDP's default, kept so results are comparable
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's
 ENV_FIRST_BUCKET_BYTES = "FUSED_REDUCER_FIRST_BUCKET_BYTES"
+MAX_BYTES = 1 << 62  # a limit must fit the C++ reducer's int64
 
 _default_first_bucket_bytes = None  # set_default_first_bucket_bytes() wins over the environment
 
@@ -18,6 +19,8 @@ def check_bytes(setting, value):
                         f"({type(value).__name__})")
     if value <= 0:
         raise ValueError(f"{setting} must be a positive number of bytes, got {value}")
+    if value > MAX_BYTES:
+        raise ValueError(f"{setting}={value} bytes is beyond any memory (at most 2**62)")
     return int(value)
 
 
@@ -31,6 +34,8 @@ def megabytes_to_bytes(setting, value):
     size = int(value * MiB)
     if size <= 0:
         raise ValueError(f"{setting}={value} MiB is less than one byte")
+    if size > MAX_BYTES:
+        raise ValueError(f"{setting}={value} MiB is beyond any memory (at most 2**42 MiB)")
     return size
 
 
