@@ -193,6 +193,28 @@ def test_straggler_slack_counts_device_time_the_host_never_waited_for(nccl_world
     ours.close()
 
 
+def test_straggler_slack_counts_device_time_in_the_forwards_collectives(nccl_world_of_one):
+    """The forward's collectives (buffer broadcast, join) are where the others wait for a rank
+    slow before forward: their device time counts into the slack, from timing events around
+    them on the compute stream. Here the broadcast is made to take 30 ms of GPU time."""
+    sleep_cycles = _gpu_sleep_ms(30)
+    ours = fused_reducer.FusedReducer(nn.Sequential(nn.BatchNorm1d(64), _model()).cuda(),
+                                      backend="nccl", straggler_interval=2, straggler_window=4)
+
+    def slow_broadcast(joined):
+        torch.cuda._sleep(sleep_cycles)  # on the current stream, as a waiting collective
+
+    ours._sync_buffers = slow_broadcast
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for _ in range(6):
+        ours.zero_grad()
+        ours(x).square().mean().backward()
+    torch.cuda.synchronize()
+    report = ours.straggler_report()
+    assert report["measured"] and 25.0 <= report["slack_ms"][0] <= 60.0, report
+    ours.close()
+
+
 def test_no_sync_on_gpu_accumulates_then_reduces(nccl_world_of_one):
     ours = fused_reducer.FusedReducer(_model(), backend="nccl")
     ref = _model()
