@@ -539,6 +539,76 @@ def test_bad_inputs_exit_2_naming_the_value_and_write_nothing(tmp_path, capsys):
         assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
 
 
+def _set(*path_and_value):
+    """An edit of a profile dict: the value at a key path (a trailing None deletes the key)."""
+    *path, key, value = path_and_value
+
+    def edit(data):
+        for k in path:
+            data = data[k]
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, named", [
+    (_set("buckets", [[0, 1, 99]]), "'buckets[0][2]' is 99, not an index into params"),
+    (_set("buckets", [list(range(23))]), "not a layout of every parameter (params[23] is in none)"),
+    (_set("buckets", [[0, 1], [1]]), "'buckets[1][0]' is 1"),
+    (_set("params", 0, "ready_us", "abc"), "'params[0].ready_us' is 'abc', not a finite number"),
+    (_set("params", 0, "ready_us", -1.0), "'params[0].ready_us' is -1.0"),
+    (_set("params", 0, "bytes", 1.5), "'params[0].bytes' is 1.5"),
+    (_set("params", 0, "bytes", 0), "'params[0].bytes' is 0"),
+    (_set("params", 0, "group", 5), "'params[0].group' is 5, not an index into groups"),
+    (_set("params", 1, 7), "'params[1]' is 7, not an object"),
+    (_set("params", []), "'params' is [], not a non-empty list"),
+    (_set("groups", None), "'groups' is missing"),
+    (_set("ready_order", [0] * 24), "a permutation of the 24 parameters"),
+    (_set("ready_order", 3, True), "'ready_order[3]' is True"),
+    (_set("limits", "first_bucket_bytes", 0), "'limits.first_bucket_bytes' is 0"),
+    (_set("limits", "bucket_caps_bytes", [0, 25 * MiB]), "'limits.bucket_caps_bytes[0]' is 0"),
+    (_set("limits", "last_bucket_bytes", -1), "'limits.last_bucket_bytes' is -1"),
+    (_set("limits", "bucket_cap_bytes", None), "'limits.bucket_cap_bytes' is missing"),
+    (_set("machine", "vm"), "'machine' is 'vm', not an object"),
+    (_set("timing", "late_bytes", "x"), "'timing.late_bytes' is 'x'"),
+    (_set("timing", "step_us", math.nan), "'timing.step_us' is nan, not a finite number"),
+    (_set("timing", "step_us", None), "'timing.step_us' is missing"),
+    (_set("timing", "forward_us", math.inf), "'timing.forward_us' is inf"),
+    (_set("timing", "exposed_wait_us", -5), "'timing.exposed_wait_us' is -5"),
+    (_set("timing", "copy_GBps", 0), "'timing.copy_GBps' is 0, not a finite number > 0"),
+    (_set("timing", "bucket_waits_us", [1.0, None]), "'timing.bucket_waits_us[1]' is None"),
+    (_set("timing", "backward_no_comm_us", "fast"), "'timing.backward_no_comm_us' is 'fast'"),
+    (_set("probe", "bandwidth_GBps", -1), "'probe.bandwidth_GBps' is -1"),
+    (_set("world_size", True), "'world_size' is True, not a positive int"),
+    (_set("world_size", 0), "'world_size' is 0"),
+    (_set("world_size", 10 ** 30), "'world_size' is 1000000000000000000000000000000"),
+    (_set("device", 3), "'device' is 3"),
+], ids=lambda v: None if callable(v) else v.split(" is")[0].strip("'"))
+def test_a_malformed_profile_exits_2_naming_the_field_and_writes_nothing(edit, named, tmp_path,
+                                                                         capsys):
+    """Valid JSON of the right format and version, one field wrong: load_profile checks every
+    field the planner reads (type, finite, range, indices), so the CLI answers plan: error:
+    naming the file and the field, exit 2, and no traceback, no NaN plan."""
+    from fused_reducer import plan
+    data = synthetic_profile()
+    data["buckets"] = [list(range(23, 11, -1)), list(range(11, -1, -1))]
+    path, out = tmp_path / "p.json", tmp_path / "out.json"
+    path.write_text(json.dumps(data))
+    assert plan.main([str(path), "--world", "8", "--json", str(out)]) == 0  # valid as written
+    out.unlink()
+    capsys.readouterr()
+    edit(data)
+    path.write_text(json.dumps(data))
+    assert plan.main([str(path), "--world", "8", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plan: error: profile {str(path)!r} is malformed: "), err
+    assert named in err, err
+    assert "Traceback" not in err
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
 def test_python_dash_m_runs_and_exits_2_on_bad_input(tmp_path):
     profile = write_profile(tmp_path / "p.json")
     run = lambda *a: subprocess.run([sys.executable, "-m", "fused_reducer.plan", *a],  # noqa: E731
@@ -606,6 +676,31 @@ def check_profile_round_trip(rank, world_size):
             "buckets": len(model.bucket_sizes())}
 
 
+def check_profile_with_ignored_parameters(rank, world_size):
+    """DDP's ignore list: the profile holds the reducer's parameters only, names and sizes
+    paired as the reducer has them, and plans."""
+    import fused_reducer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import torch
+    from torch import nn
+    torch.manual_seed(0)  # layers of different sizes: a shifted name/size pairing shows
+    net = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 32), nn.Linear(32, 128))
+    ignored = ["0.weight", "0.bias"]
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ignored)
+    model = fused_reducer.FusedReducer(net)
+    train(model, 3, rank)
+    folder = tempfile.mkdtemp(prefix="fr_ignored_")
+    path = model.export_profile(os.path.join(folder, "profile_{rank}.json"))
+    with open(path) as f:
+        data = json.load(f)
+    reduced = {name: p.numel() * p.element_size() for name, p in model.module.named_parameters()
+               if name not in ignored}
+    out = {"params": {q["name"]: q["bytes"] for q in data["params"]}, "reduced": reduced,
+           "bucket_bytes": sum(model.bucket_sizes()), "path": path}
+    model.close()
+    return out
+
+
 def check_planner_hint(rank, world_size):
     import fused_reducer
     model = fused_reducer.FusedReducer(make_model())
@@ -665,8 +760,8 @@ def check_verify(rank, world_size):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_checks([check_profile_round_trip, check_planner_hint, check_verify], world_size=2,
-                      timeout=300)
+    return run_checks([check_profile_round_trip, check_planner_hint, check_verify,
+                       check_profile_with_ignored_parameters], world_size=2, timeout=300)
 
 
 def test_profile_round_trip(outcomes, tmp_path):
@@ -708,6 +803,14 @@ def test_profile_round_trip(outcomes, tmp_path):
     data = json.loads(out.read_text())
     assert data["overlap"] == "contended"  # a CPU profile
     assert all(math.isfinite(e["best"]["step_ms"]) for e in data["worlds"])
+
+
+def test_a_profile_with_ignored_parameters_holds_the_reduced_ones_and_plans(outcomes, tmp_path):
+    from fused_reducer import plan
+    for r in per_rank(outcomes, "check_profile_with_ignored_parameters"):
+        assert r["params"] == r["reduced"], (r["params"], r["reduced"])
+        assert sum(r["params"].values()) == r["bucket_bytes"]
+        assert plan.main([r["path"], "--world", "2", "--json", str(tmp_path / "p.json")]) == 0
 
 
 def test_autotune_measures_the_planner_hint_first_and_fewer_candidates(outcomes):

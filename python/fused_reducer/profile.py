@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .costmodel import ParamInfo, candidate, limits_json
 from .probe import probe_transport
+from .settings import MAX_BYTES
 
 FORMAT = "fused_reducer.profile"
 VERSION = 1
@@ -81,8 +82,7 @@ def export_profile(model, path):
     phases["bucket_copy_backs_us"] = [None if math.isnan(v) else v / world
                                       for v in summed[len(waits):]]
 
-    params = [p for p in model.module.parameters() if p.requires_grad]
-    info = ParamInfo(params, model.reduce_dtype)
+    info = ParamInfo(model._reducer_params(), model.reduce_dtype)  # ignored ones left out
     ready = _median_ready_times(reducer.last_ready_times(), history, stretch)
     last = history[-1]
     profile = {
@@ -241,8 +241,130 @@ def _write_json(path, data):
 
 
 # -- reading --------------------------------------------------------------------------------------
-_REQUIRED = {"world_size": int, "device": str, "limits": dict, "params": list,
-             "ready_order": list, "timing": dict, "probe": dict}
+_MISSING = object()
+MAX_WORLD = 1 << 24  # more ranks than any job has had: beyond it, a corrupt world size
+
+
+class _Malformed(Exception):
+    """One field the planner cannot use; load_profile names the file."""
+
+
+def _bad(field, value, expected):
+    shown = "missing" if value is _MISSING else repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return _Malformed(f"{field!r} is {shown}, not {expected}")
+
+
+def _number(value, field, positive=False):
+    """A finite number >= 0 (> 0 when `positive`), as a float."""
+    expected = "a finite number " + ("> 0" if positive else ">= 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(field, value, expected)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise _bad(field, value, expected) from None
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise _bad(field, value, expected)
+    return number
+
+
+def _integer(value, field, low, high, expected):
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(field, value, expected)
+    return value
+
+
+def _nbytes(value, field, zero_means=""):
+    expected = (f"0 ({zero_means}) or " if zero_means else "") + "a positive int number of bytes"
+    return _integer(value, field, 0 if zero_means else 1, MAX_BYTES, expected)
+
+
+def _index(value, field, count, what):
+    return _integer(value, field, 0, count - 1, f"an index into {what} (0..{count - 1})")
+
+
+def _typed(value, field, kind, expected):
+    if not isinstance(value, kind):
+        raise _bad(field, value, expected)
+    return value
+
+
+def _check_profile(data):
+    """Every field the planner reads (plan.Planner, costmodel.candidate_from_json, step_compute),
+    with its type and range (numbers finite, byte counts positive, indices in range);
+    _Malformed naming the first one that is wrong. May be absent, as the planner does without
+    them: timing.late_bytes, bucket_waits_us and bucket_copy_backs_us (older profiles),
+    backward_no_comm_us (added by hand), buckets and limits.bucket_caps_bytes (derived from the
+    limits), transport and machine (only shown)."""
+    _integer(data.get("world_size", _MISSING), "world_size", 1, MAX_WORLD,
+             f"a positive int number of ranks (at most {MAX_WORLD})")
+    _typed(data.get("device", _MISSING), "device", str, "a device type ('cpu', 'cuda')")
+    _typed(data.get("transport"), "transport", (str, type(None)), "a string")
+    machine = _typed(data.get("machine", {}), "machine", dict, "an object")
+    _typed(machine.get("hostname"), "machine.hostname", (str, type(None)), "a string")
+
+    limits = _typed(data.get("limits", _MISSING), "limits", dict, "an object")
+    for key in ("first_bucket_bytes", "bucket_cap_bytes"):
+        _nbytes(limits.get(key, _MISSING), f"limits.{key}")
+    _nbytes(limits.get("last_bucket_bytes", _MISSING), "limits.last_bucket_bytes",
+            zero_means="no last bucket")
+    caps = _typed(limits.get("bucket_caps_bytes") or [], "limits.bucket_caps_bytes", list,
+                  "a list of byte counts")
+    for k, cap in enumerate(caps):
+        _nbytes(cap, f"limits.bucket_caps_bytes[{k}]")
+
+    groups = _typed(data.get("groups", _MISSING), "groups", list, "a list of group names")
+    if not groups:
+        raise _bad("groups", groups, "a non-empty list of group names")
+    params = _typed(data.get("params", _MISSING), "params", list, "a list of parameters")
+    if not params:
+        raise _bad("params", params, "a non-empty list of parameters")
+    for i, p in enumerate(params):
+        _typed(p, f"params[{i}]", dict, "an object")
+        _nbytes(p.get("bytes", _MISSING), f"params[{i}].bytes")
+        _index(p.get("group", _MISSING), f"params[{i}].group", len(groups), "groups")
+        if p.get("ready_us", _MISSING) is not None:  # None: never ready in the recorded step
+            _number(p.get("ready_us", _MISSING), f"params[{i}].ready_us")
+
+    n = len(params)
+    order = _typed(data.get("ready_order", _MISSING), "ready_order", list, "a list of indices")
+    for k, i in enumerate(order):
+        _index(i, f"ready_order[{k}]", n, "params")
+    if sorted(order) != list(range(n)):
+        raise _bad("ready_order", order, f"a permutation of the {n} parameters")
+    buckets = _typed(data.get("buckets") or [], "buckets", list, "a list of buckets")
+    seen = set()
+    for b, bucket in enumerate(buckets):
+        if not isinstance(bucket, list) or not bucket:
+            raise _bad(f"buckets[{b}]", bucket, "a non-empty list of parameter indices")
+        for k, i in enumerate(bucket):
+            if _index(i, f"buckets[{b}][{k}]", n, "params") in seen:
+                raise _bad(f"buckets[{b}][{k}]", i, "a parameter in no other bucket")
+            seen.add(i)
+    if buckets and len(seen) != n:
+        missing = min(set(range(n)) - seen)
+        raise _bad("buckets", buckets, f"a layout of every parameter (params[{missing}] is in "
+                                       f"none)")
+
+    timing = _typed(data.get("timing", _MISSING), "timing", dict, "an object")
+    for key in ("forward_us", "backward_end_us", "finalize_us", "other_us", "step_us",
+                "exposed_wait_us"):
+        _number(timing.get(key, _MISSING), f"timing.{key}")
+    _number(timing.get("copy_GBps", _MISSING), "timing.copy_GBps", positive=True)
+    for key in ("late_bytes", "backward_no_comm_us"):
+        if timing.get(key) is not None:
+            _number(timing[key], f"timing.{key}")
+    for key in ("bucket_waits_us", "bucket_copy_backs_us"):
+        values = _typed(timing.get(key) or [], f"timing.{key}", list, "a list of times")
+        for k, value in enumerate(values):
+            if value is not None or key == "bucket_waits_us":  # None: no copy back measured
+                _number(value, f"timing.{key}[{k}]")
+
+    probe = _typed(data.get("probe", _MISSING), "probe", dict, "an object")
+    for key in ("latency_us", "bandwidth_GBps"):
+        _number(probe.get(key, _MISSING), f"probe.{key}", positive=True)
 
 
 def load_profile(path):
@@ -259,36 +381,15 @@ def load_profile(path):
         raise ProfileError(f"{path!r} is not a FusedReducer profile (its 'format' is "
                            f"{data.get('format') if isinstance(data, dict) else None!r}, expected "
                            f"{FORMAT!r}): record one with model.export_profile(path)")
-    if data.get("version") != VERSION:
-        raise ProfileError(f"profile {path!r} has version {data.get('version')!r}; this "
+    version = data.get("version")
+    if isinstance(version, bool) or version != VERSION:
+        raise ProfileError(f"profile {path!r} has version {version!r}; this "
                            f"fused_reducer reads version {VERSION}: record it again with "
                            f"model.export_profile(path)")
-    for key, kind in _REQUIRED.items():
-        if not isinstance(data.get(key), kind):
-            raise ProfileError(f"profile {path!r} is malformed: {key!r} is missing or not a "
-                               f"{kind.__name__}")
-    params = data["params"]
-    n = len(params)
     try:
-        for p in params:
-            if int(p["bytes"]) <= 0 or int(p["group"]) < 0:
-                raise ValueError(f"parameter {p.get('name')!r} has bytes {p['bytes']!r}, "
-                                 f"group {p['group']!r}")
-        if sorted(int(i) for i in data["ready_order"]) != list(range(n)):
-            raise ValueError(f"ready_order is not a permutation of the {n} parameters")
-        for key in ("forward_us", "backward_end_us", "finalize_us", "other_us", "copy_GBps"):
-            if not float(data["timing"][key]) >= 0:
-                raise ValueError(f"timing {key} is {data['timing'][key]!r}")
-        for key in ("latency_us", "bandwidth_GBps"):
-            if not float(data["probe"][key]) > 0:
-                raise ValueError(f"probe {key} is {data['probe'][key]!r}")
-        for key in ("first_bucket_bytes", "bucket_cap_bytes", "last_bucket_bytes"):
-            int(data["limits"][key])
-    except (KeyError, TypeError, ValueError) as e:
+        _check_profile(data)
+    except _Malformed as e:
         raise ProfileError(f"profile {path!r} is malformed: {e}") from None
-    if n == 0 or data["world_size"] < 1:
-        raise ProfileError(f"profile {path!r} is malformed: {n} parameters, world size "
-                           f"{data['world_size']!r}")
     return data
 
 
