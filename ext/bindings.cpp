@@ -216,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("skip_all_reduce_unused_params"),
            py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
            py::arg("reduce_dtype") = py::none(), py::arg("check_finite") = false,
-           py::arg("straggler_interval") = 5, py::arg("straggler_window") = 10,
+           py::arg("straggler_interval") = 10, py::arg("straggler_window") = 10,
            py::arg("straggler_threshold_ms") = 0.0, py::arg("straggler_warn_steps") = 10)
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())

@@ -800,13 +800,17 @@ void Reducer::snapshot_gradients() {
     }
     grad_snapshot_[i] = {grad.unsafeGetTensorImpl(), grad._version()};
   }
-  grad_probes_ = norms_valid_ ? gradient_probes() : at::Tensor();
+  // Only for a model whose norm was asked for (copy_norms): nothing for one that never is.
+  grad_probes_taken_ = norms_valid_ && probes_wanted_;
+  grad_probes_ = grad_probes_taken_ ? gradient_probes() : at::Tensor();
 }
 
-// Three elements of each gradient (first, middle and last in memory), copied: some in-place
-// changes leave the version counter as it was (GradScaler.unscale_, whose fused kernel does
-// not bump it; a change through .data; a collective on param.grad), but a scale or a new
-// value shows in them. No pass over the gradients: one small gather per step.
+// Three elements of each gradient (the first, the middle and one of the last two in memory),
+// copied: some in-place changes leave the version counter as it was (GradScaler.unscale_,
+// whose fused kernel does not bump it; a change through .data; a collective on param.grad),
+// but a change to the whole gradient (a scale, new values) shows in them; one to a few
+// elements may not. No pass over the gradients: one small gather per step, once the model's
+// norm has been asked for.
 at::Tensor Reducer::gradient_probes() const {
   std::vector<at::Tensor> probes;
   for (const at::Tensor& param : params_) {
@@ -822,7 +826,8 @@ at::Tensor Reducer::gradient_probes() const {
 
 std::optional<at::Tensor> Reducer::copy_norms() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!norms_valid_) {
+  probes_wanted_ = true;  // from the next backward on; this one kept none: torch's norm
+  if (!norms_valid_ || !grad_probes_taken_) {
     return std::nullopt;
   }
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -832,8 +837,11 @@ std::optional<at::Tensor> Reducer::copy_norms() const {
       return std::nullopt;  // changed since: clipped, unscaled, accumulated, replaced
     }
   }
-  if (grad_probes_.defined() && !at::equal(gradient_probes(), grad_probes_)) {
-    return std::nullopt;  // changed without a version bump (unequal also where NaN)
+  if (grad_probes_.defined()) {
+    const at::Tensor now = gradient_probes();
+    if (!now.defined() || !at::equal(now, grad_probes_)) {
+      return std::nullopt;  // changed without a version bump (unequal also where NaN)
+    }
   }
   return norms_.clone();
 }
@@ -869,17 +877,18 @@ std::vector<double> Reducer::take_slack_samples(bool exchanging) {
   for (size_t age = 1; age <= kSlackSlots; ++age) {
     SlackEvents& events = slack_events_[(slack_slot_ + age) % kSlackSlots];  // oldest first
     if (events.recorded && events.ready->query() && events.complete->query()) {
-      // The forward's events precede the pair on the same stream: finished too.
-      const double forward_ms = events.forward_recorded
-                                    ? events.forward_begin->elapsedTime(*events.forward_end)
-                                    : 0.0;
+      double forward_ms = 0;  // recorded before the pair: done too, but never read undone
+      for (size_t k = 0; k < events.forward_recorded; ++k) {
+        auto& [begin, end] = events.forward[k];
+        if (begin->query() && end->query()) forward_ms += begin->elapsedTime(*end);
+      }
       samples.push_back(forward_ms + events.ready->elapsedTime(*events.complete));
       events.recorded = false;
     }
   }
   slack_slot_ = (slack_slot_ + 1) % kSlackSlots;
   slack_events_[slack_slot_].recorded = false;  // overwritten from now on
-  slack_events_[slack_slot_].forward_recorded = false;
+  slack_events_[slack_slot_].forward_recorded = 0;
   return samples;
 }
 
@@ -887,29 +896,35 @@ bool Reducer::slack_on_device() const {
   return !params_.front().is_cpu() && health_.options().straggler_interval > 0;
 }
 
-// The forward's collectives (buffer broadcast, join's all-reduce) are where a rank waits for
-// one that is late before its forward (data loading) whenever the model has buffers or joins:
-// the buckets then find every rank in step. So the wait there counts into the step's slack:
-// the host clock on CPU (the collectives block), timing events on the compute stream on a GPU
-// (the last training forward before the backward: its slot, Note [Lateness from slack on the
-// GPU]).
+// The forward's collectives (buffer broadcast, join's all-reduces) are where a rank waits
+// for one that is late before its forward (data loading) whenever the model has buffers or
+// joins: the buckets then find every rank in step. So the waits there count into the step's
+// slack, each collective bracketed alone (local work between them would hide a rank slow in
+// it), summed over the step's forwards (no_sync micro-steps too): the host clock on CPU (the
+// collectives block), a pair of timing events on the compute stream on a GPU (in the step's
+// slot, Note [Lateness from slack on the GPU]).
 void Reducer::begin_forward_sync() {
+  forward_sync_open_ = true;
   if (!slack_on_device()) {
     forward_sync_begin_us_ = now_us();
     return;
   }
-  record_stream_event(slack_events_[slack_slot_].forward_begin);
-  slack_events_[slack_slot_].forward_recorded = false;
+  SlackEvents& events = slack_events_[slack_slot_];
+  if (events.forward.size() == events.forward_recorded) events.forward.emplace_back();
+  record_stream_event(events.forward[events.forward_recorded].first);
 }
 
 void Reducer::end_forward_sync() {
+  if (!std::exchange(forward_sync_open_, false)) {
+    return;  // no begin (or the collective between raised): nothing to close
+  }
   if (!slack_on_device()) {
-    forward_sync_ms_ = (now_us() - forward_sync_begin_us_) / 1000.0;
+    forward_sync_ms_ += (now_us() - forward_sync_begin_us_) / 1000.0;
     return;
   }
   SlackEvents& events = slack_events_[slack_slot_];
-  record_stream_event(events.forward_end);
-  events.forward_recorded = events.forward_begin.has_value();
+  record_stream_event(events.forward[events.forward_recorded].second);
+  events.forward_recorded += 1;
 }
 
 void Reducer::record_stream_event(std::optional<c10::Event>& event) const {

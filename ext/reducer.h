@@ -232,8 +232,9 @@ class Reducer {
   std::string take_straggler_warning();
   // A joined rank's part in the health exchange of a step it shadows (join).
   void shadow_health_exchange();
-  // Around the collectives a training forward runs (buffer broadcast, join's all-reduce):
-  // a rank waits there too, so its slack counts that wait (Note [Lateness from slack]).
+  // Around each collective a forward with grad enabled runs (buffer broadcast, join's
+  // all-reduces; no_sync micro-steps included): a rank waits there too, so its slack counts
+  // those waits, summed until the step's end (Note [Lateness from slack]).
   void begin_forward_sync();
   void end_forward_sync();
   // float64 [sum of x^2, sum of |x|, max |x|] of param.grad as the last synchronised step
@@ -386,22 +387,25 @@ class Reducer {
     std::optional<c10::Event> ready;     // after the last launched bucket's copy
     std::optional<c10::Event> complete;  // after the wait for the last bucket's collective
     bool recorded = false;
-    std::optional<c10::Event> forward_begin;  // around the forward's collectives
-    std::optional<c10::Event> forward_end;
-    bool forward_recorded = false;
+    // Around each forward collective of the step (begin_forward_sync), reused step to step.
+    std::vector<std::pair<std::optional<c10::Event>, std::optional<c10::Event>>> forward;
+    size_t forward_recorded = 0;  // pairs of this step recorded so far
   };
   static constexpr size_t kSlackSlots = 4;
   std::array<SlackEvents, kSlackSlots> slack_events_;
   size_t slack_slot_ = 0;
-  // CPU: the host clock around this step's forward collectives (begin_forward_sync).
+  // CPU: the host clock around this step's forward collectives (begin_forward_sync), summed.
   double forward_sync_begin_us_ = 0;
   double forward_sync_ms_ = 0;
+  bool forward_sync_open_ = false;
   std::function<void(const std::string&)> nonfinite_handler_;
   at::Tensor nonfinite_;
   at::Tensor norms_;
   std::vector<char> observed_;  // parameters whose unpack added to norms_
   std::vector<std::pair<const void*, int64_t>> grad_snapshot_;  // param.grad impl, version
   at::Tensor grad_probes_;  // gradient_probes() as the unpack wrote them
+  bool grad_probes_taken_ = false;
+  mutable bool probes_wanted_ = false;  // set by the first copy_norms()
   bool norms_valid_ = false;
 };
 

@@ -154,8 +154,8 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
     if (report_.late_steps[r] >= options_.straggler_warn_steps && !warned_[r]) {
       warned_[r] = 1;
       warning << (warning.tellp() > 0 ? "; " : "") << "rank " << r << " has been late for "
-              << report_.late_steps[r] << " steps: its buckets are ready "
-              << milliseconds(lateness) << " after the earliest rank's (median of its last "
+              << report_.late_steps[r] << " steps: it reaches the step's collectives "
+              << milliseconds(lateness) << " after the earliest rank (median of its last "
               << options_.straggler_window << " steps; threshold "
               << milliseconds(report_.threshold_ms) << ", median step "
               << milliseconds(report_.median_step_ms) << ")";

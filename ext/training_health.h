@@ -24,9 +24,11 @@ namespace fused_reducer {
 
 struct HealthOptions {
   bool check_finite = false;
-  // A rank that turns slow at any step is named within 10 steps: its median over the window
-  // moves once half the window is late (5 steps), and an exchange comes every 5 steps.
-  int64_t straggler_interval = 5;       // steps between straggler exchanges; 0: off
+  // A rank's median over the window moves once half the window is late (5 steps), so a rank
+  // slow from the start is named at the first exchange (step 10), one turning slow mid-run
+  // within 5 to 14 steps. An exchange is one more collective in its step: every 10 steps keeps
+  // the others at one all-reduce per step for runs that count them (5 names within 9).
+  int64_t straggler_interval = 10;      // steps between straggler exchanges; 0: off
   int64_t straggler_window = 10;        // steps whose median slack a rank reports
   double straggler_threshold_ms = 0;    // late beyond this; 0: max(5 ms, 10 % of the median step)
   int64_t straggler_warn_steps = 10;    // one warning when a rank stays late this many steps

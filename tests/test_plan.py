@@ -560,7 +560,7 @@ def _set(*path_and_value):
     (_set("params", 0, "ready_us", "abc"), "'params[0].ready_us' is 'abc', not a finite number"),
     (_set("params", 0, "ready_us", -1.0), "'params[0].ready_us' is -1.0"),
     (_set("params", 0, "bytes", 1.5), "'params[0].bytes' is 1.5"),
-    (_set("params", 0, "bytes", 0), "'params[0].bytes' is 0"),
+    (_set("params", 0, "bytes", -1), "'params[0].bytes' is -1"),
     (_set("params", 0, "group", 5), "'params[0].group' is 5, not an index into groups"),
     (_set("params", 1, 7), "'params[1]' is 7, not an object"),
     (_set("params", []), "'params' is [], not a non-empty list"),

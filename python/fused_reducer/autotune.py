@@ -219,8 +219,10 @@ class Autotuner:
     def abandon(self):
         """Stop tuning; a trial layout in force gives way to the starting configuration (a new
         autotune() then starts from the user's limits, not from a trial's)."""
-        if self.state == "measuring" and self.current != self.incumbent:
-            self._set(self.incumbent)
+        model = self.model
+        in_force = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
+        if self.state == "measuring" and in_force == self.current != self.incumbent:
+            self._set(self.incumbent)  # (limits set by hand since stay as they are)
         self.state = "done"
 
     # -- driven by forward ---------------------------------------------------------------------

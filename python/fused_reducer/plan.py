@@ -24,6 +24,7 @@ from .costmodel import (DDP_DEFAULT, MiB, CostModel, Gradients, Link, Network,
                         check_topology, limits_json, overlap_cost, predict_sharded_step,
                         predict_step)
 from .profile import ProfileError, load_profile, step_compute
+from .settings import MAX_BYTES
 
 PLAN_FORMAT = "fused_reducer.plan"
 PLAN_VERSION = 1
@@ -508,18 +509,16 @@ def checked_layouts(name, layouts):
     duplicates dropped; ValueError naming `name` and the layout otherwise."""
     try:
         candidates = [tuple(_layout_int(v) for v in c) for c in layouts]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         what = "a plan, a plan file or a list" if name == "planner_hint" else "a list"
         raise ValueError(f"{name} must be {what} of (first, cap, last) in bytes, got "
                          f"{layouts!r}") from None
     for c in candidates:
-        if len(c) < 2 or min(c[:-1]) <= 0 or c[-1] < 0 or max(c) > MAX_LAYOUT_BYTES:
+        if len(c) < 2 or min(c[:-1]) <= 0 or c[-1] < 0 or max(c) > MAX_BYTES:
             raise ValueError(f"{name} layout {c!r}: need (first > 0, cap > 0, last >= 0) "
                              f"bytes, or (limit > 0, ..., last >= 0), each at most 2**62")
     return list(dict.fromkeys(candidates))
 
-
-MAX_LAYOUT_BYTES = 1 << 62
 
 
 def _layout_int(value):

@@ -323,7 +323,7 @@ def _check_profile(data):
         raise _bad("params", params, "a non-empty list of parameters")
     for i, p in enumerate(params):
         _typed(p, f"params[{i}]", dict, "an object")
-        _nbytes(p.get("bytes", _MISSING), f"params[{i}].bytes")
+        _nbytes(p.get("bytes", _MISSING), f"params[{i}].bytes", zero_means="an empty parameter")
         _index(p.get("group", _MISSING), f"params[{i}].group", len(groups), "groups")
         if p.get("ready_us", _MISSING) is not None:  # None: never ready in the recorded step
             _number(p.get("ready_us", _MISSING), f"params[{i}].ready_us")

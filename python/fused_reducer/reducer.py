@@ -107,7 +107,7 @@ class FusedReducer(nn.Module, Joinable):
                  forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
                  mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
                  skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
-                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=5,
+                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=10,
                  straggler_window=10, straggler_threshold_ms=None, straggler_warn_steps=10):
         super().__init__()
         Joinable.__init__(self)
@@ -334,9 +334,11 @@ class FusedReducer(nn.Module, Joinable):
         self._transport.check()  # a collective that failed in the background raises here
         _refuse_compiled_autograd()
         grad_sync = torch.is_grad_enabled() and self._syncing
-        if grad_sync:  # a rank waits in this forward's collectives too (straggler_report)
-            self._reducer.begin_forward_sync()
-        join_work = Join.notify_join_context(self)
+        if self._join_config.enable:
+            with self._waiting_in_forward():
+                join_work = Join.notify_join_context(self)
+        else:
+            join_work = Join.notify_join_context(self)  # no join context: no collective
         self._set_divide_factor(join_work)
         if torch.is_grad_enabled():
             if self._tuner is not None and self._syncing:
@@ -345,15 +347,27 @@ class FusedReducer(nn.Module, Joinable):
             if self._debug:
                 self._log_rebuild()
         if self._will_sync_buffers():
-            self._sync_buffers(joined=False)
+            with self._waiting_in_forward():
+                self._sync_buffers(joined=False)
         warning = self._reducer.take_straggler_warning()
         if warning:
             _log.warning(warning)
         if self._join_config.enable:
-            sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
-        if grad_sync:
-            self._reducer.end_forward_sync()
+            with self._waiting_in_forward():
+                sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
         self._require_forward_param_sync = grad_sync
+
+    @contextmanager
+    def _waiting_in_forward(self):
+        """Around one collective of a forward with grad enabled: a rank late before its forward
+        is waited for there, so that wait counts into its straggler slack
+        (Reducer::begin_forward_sync). Not ended if the collective raises."""
+        timed = torch.is_grad_enabled()
+        if timed:
+            self._reducer.begin_forward_sync()
+        yield
+        if timed:
+            self._reducer.end_forward_sync()
 
     def _will_sync_buffers(self):
         # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
@@ -673,7 +687,7 @@ class FusedReducer(nn.Module, Joinable):
 
     def rebuild_buckets(self):
         """Rebuild the layout at the next forward from the last observed gradient-ready order."""
-        self._reducer.request_rebuild()
+        self._live_reducer().request_rebuild()
 
     # -- autotune ------------------------------------------------------------------------------
     def autotune(self, **options):
@@ -682,8 +696,22 @@ class FusedReducer(nn.Module, Joinable):
         new layout only takes effect at a forward. When done, the choice is the value of the
         properties. Options: see fused_reducer.autotune.Autotuner."""
         from .autotune import Autotuner
+        from .transport import control_allreduce
         self._checked_reducer()
-        tuner = Autotuner(self, **options)  # bad options raise here, on every rank
+        try:
+            tuner, refused = Autotuner(self, **options), None
+        except (ValueError, TypeError, OSError) as e:
+            tuner, refused = None, e
+        # Every rank agrees before any goes on: a planner_hint file missing on some rank only
+        # must not leave the others tuning alone (their collectives would wait for it).
+        ok, = control_allreduce([0.0 if refused else 1.0], dist.ReduceOp.MIN,
+                                self.process_group, self._control_device)
+        if refused is not None:
+            raise refused
+        if not ok:
+            raise FusedReducerError("FusedReducer.autotune: another rank refused these options "
+                                    "(its error says why, e.g. a planner_hint file it cannot "
+                                    "read); tuning was not started on any rank")
         if self._tuner is not None:
             self._tuner.abandon()  # a restart starts from the user's limits, not a trial's
         self._tuner = tuner
@@ -697,11 +725,12 @@ class FusedReducer(nn.Module, Joinable):
 
     # -- training health -------------------------------------------------------------------------
     def straggler_report(self):
-        """Which ranks are late, from the slack of each rank's last bucket (Note [Lateness from
-        slack] in ext/training_health.cpp), exchanged every `straggler_interval` steps (every
-        step with check_finite): lateness_ms (per rank: how long after the earliest rank its
-        buckets were ready, median of its last `straggler_window` steps; None: not measured),
-        slack_ms (per rank: how long its last bucket waited for the others, the same median),
+        """Which ranks are late, from each rank's slack: how long it waited for the others in
+        the step's collectives, its last bucket's and its forward's (Note [Lateness from slack]
+        in ext/training_health.cpp), exchanged every `straggler_interval` steps (every step
+        with check_finite): lateness_ms (per rank: how long after the earliest rank it reached
+        them, median of its last `straggler_window` steps; None: not measured), slack_ms (per
+        rank: that wait, the same median),
         slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
         rank, steps late in a row), threshold_ms, median_step_ms, step (of the last exchange,
         0: none yet), interval, window, measured (whether any rank's lateness is known yet).
@@ -720,17 +749,24 @@ class FusedReducer(nn.Module, Joinable):
         for norm_type 1, 2 and inf from what the unpack into param.grad accumulated (Note
         [Statistics from the copy] in ext/bucket_copy.h): no pass over the gradients. If
         param.grad changed since that backward wrote it (clipped, unscaled, accumulated, or set
-        by hand), or for another norm_type, it is computed by torch from param.grad. With a
-        ShardedOptimizer: its norm over the shards (collective: call on every rank)."""
+        by hand), or for another norm_type, it is computed by torch from param.grad; so is it
+        before the first backward after the model's first grad_norm() call (from then on each
+        backward keeps three elements of each gradient to see changes the version counter
+        misses). With a ShardedOptimizer: its norm over the shards (collective: call on every
+        rank)."""
         norm_type = float(norm_type)
         if self._sharded:
             return self._sharded_optimizer_for("grad_norm").grad_norm(norm_type)
+        # Asked first, even with no gradients yet: from then on each backward keeps the probes
+        # that tell an unchanged param.grad (Reducer::copy_norms), so that call itself is
+        # torch's computation.
+        from_copy = self._norm_from_copy(norm_type)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
         # The copy saw only the reduced parameters' gradients: a frozen or ignored parameter
         # that holds a .grad counts in torch's norm over model.parameters() too.
-        total = self._norm_from_copy(norm_type) if len(grads) == self._reduced_grads() else None
+        total = from_copy if len(grads) == self._reduced_grads() else None
         self._norm_source = "copy" if total is not None else "torch"
         if total is None:
             return torch.nn.utils.get_total_norm(grads, norm_type)
@@ -761,7 +797,7 @@ class FusedReducer(nn.Module, Joinable):
         return total
 
     def _norm_from_copy(self, norm_type):
-        norms = self._reducer.copy_norms()
+        norms = None if self._reducer is None else self._reducer.copy_norms()
         if norms is None or norm_type not in (1.0, 2.0, math.inf):
             return None
         sum_sq, sum_abs, max_abs = norms.tolist()
