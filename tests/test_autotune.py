@@ -270,6 +270,14 @@ def check_misuse(rank, world_size):
             refused[name] = str(e)
     out["refused"] = refused
     out["tuner_after_refusals"] = fr._tuner
+    # A planner_hint file only rank 0 can read: every rank raises, none tunes alone.
+    hint = [(4096, 4096, 0)] if rank == 0 else "/nonexistent/plan.json"
+    try:
+        fr.autotune(planner_hint=hint)
+        out["hint_on_one_rank"] = None
+    except Exception as e:  # noqa: BLE001 - which error each rank gets is the point
+        out["hint_on_one_rank"] = (type(e).__name__, str(e))
+    out["tuner_after_hint"] = fr._tuner
     # Rank 0 fails while planning: every rank hears it in the same forward.
     fr.autotune(candidates=[(4096, 4096, 0)])
     fr._tuner._rank0_plan = None if rank == 0 else fr._tuner._rank0_plan  # not callable
@@ -626,7 +634,7 @@ def test_cuda_trials_are_timed_by_events_on_the_current_stream(monkeypatch):
 
 
 def test_misuse_is_an_error_naming_the_option_on_every_rank_never_a_hang(outcomes):
-    for r in per_rank(outcomes, "check_misuse"):
+    for rank, r in enumerate(per_rank(outcomes, "check_misuse")):
         refused = r["refused"]
         assert all(refused.values()), refused
         assert "candidates layout (0, 0, 0)" in refused["zero_layout"], refused
@@ -635,6 +643,9 @@ def test_misuse_is_an_error_naming_the_option_on_every_rank_never_a_hang(outcome
         assert "min_steps" in refused["min_steps"] and "round_steps" in refused["round_steps"]
         assert "margin" in refused["margin"] and "2**62" in refused["huge"], refused
         assert r["tuner_after_refusals"] is None  # nothing started
+        kind, text = r["hint_on_one_rank"]
+        assert r["tuner_after_hint"] is None, r
+        assert ("another rank refused" if rank == 0 else "/nonexistent/plan.json") in text, text
         raised, state = r["plan_failure"]
         assert [ok for _, ok in raised] == [True] and state == "done", r["plan_failure"]
         user, after_restart = r["restart"]
