@@ -166,6 +166,15 @@ def test_straggler_slack_is_read_off_the_gpu_clock(nccl_world_of_one):
     ours.close()
 
 
+def _report_after_six_steps(ours):
+    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for _ in range(6):
+        ours.zero_grad()
+        ours(x).square().mean().backward()
+    torch.cuda.synchronize()
+    return ours.straggler_report()
+
+
 def test_straggler_slack_counts_device_time_the_host_never_waited_for(nccl_world_of_one):
     """A bucket whose collective the GPU finishes 30 ms after its gradients are ready (a comm
     hook that sleeps on a side stream before its all-reduce; the host returns at once): the
@@ -183,12 +192,7 @@ def test_straggler_slack_counts_device_time_the_host_never_waited_for(nccl_world
     ours = fused_reducer.FusedReducer(_model(), backend="process_group", bucket_cap_mb=100,
                                       straggler_interval=2, straggler_window=4)
     ours.register_comm_hook(None, slow_allreduce)
-    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    for _ in range(6):
-        ours.zero_grad()
-        ours(x).square().mean().backward()
-    torch.cuda.synchronize()
-    report = ours.straggler_report()
+    report = _report_after_six_steps(ours)
     assert report["measured"] and 25.0 <= report["slack_ms"][0] <= 60.0, report
     assert report["lateness_ms"] == [0.0], report
     ours.close()
@@ -206,12 +210,7 @@ def test_straggler_slack_counts_device_time_in_the_forwards_collectives(nccl_wor
         torch.cuda._sleep(sleep_cycles)  # on the current stream, as a waiting collective
 
     ours._sync_buffers = slow_broadcast
-    x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    for _ in range(6):
-        ours.zero_grad()
-        ours(x).square().mean().backward()
-    torch.cuda.synchronize()
-    report = ours.straggler_report()
+    report = _report_after_six_steps(ours)
     assert report["measured"] and 25.0 <= report["slack_ms"][0] <= 60.0, report
     ours.close()
 
