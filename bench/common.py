@@ -10,6 +10,7 @@
 """
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -170,6 +171,7 @@ def _setup_rank(args, rank, world_size, local_rank, local_world, launcher, init_
 
 
 def _spawned_entry(rank, world_size, port, worker, args):
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGBUS) prints where it was
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or max(1, _usable_cpus() // world_size)))
     code = 1
     try:
@@ -238,14 +240,19 @@ def launch(worker, args):
             time.sleep(0.05)
     except KeyboardInterrupt:
         pass
-    for p in procs:
+    killed = set()
+    for rank, p in enumerate(procs):
         if p.is_alive():
             p.kill()
+            killed.add(rank)
         p.join()
     codes = [p.exitcode for p in procs]
     bad = [c for c in codes if c != 0]
     if not bad:
         return 0
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0 and rank not in killed:
+            print(f"[rank {rank}] died by signal {-code}", file=sys.stderr, flush=True)
     positive = [c for c in bad if c is not None and c > 0]
     return max(positive) if positive else 1
 
