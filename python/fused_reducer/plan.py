@@ -520,7 +520,6 @@ def checked_layouts(name, layouts):
     return list(dict.fromkeys(candidates))
 
 
-
 def _layout_int(value):
     if isinstance(value, bool) or int(value) != value:
         raise ValueError(value)
