@@ -275,3 +275,48 @@ def test_the_hugging_face_example_runs_on_fused_reducer(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert "Trainer: model_wrapped is FusedReducer (shm)" in proc.stdout
     assert "accelerate: the prepared model is FusedReducer" in proc.stdout
+
+
+def optimizer_checkpoint(runs, name, step):
+    return torch.load(os.path.join(runs.outdir, f"{name}_checkpoints", f"checkpoint-{step}",
+                                   "optimizer.pt"), weights_only=False)
+
+
+@pytest.mark.timeout(400)
+def test_trainer_checkpoints_of_a_sharded_optimizer_hold_ddps_full_adamw_state_at_that_step(runs):
+    # The same runs as test_trainer_with_a_sharded_optimizer_equals_ddp_and_resumes (cached).
+    unclipped = ("--training-args", '{"max_grad_norm": 1e9}')
+    runs.get("trainer_adamw_ddp", "trainer", "--wrapper", "ddp", "--optimizer", "adamw",
+             *unclipped)
+    sharded = runs.get("trainer_sharded", "trainer", "--wrapper", "fused", "--optimizer",
+                       "sharded", *unclipped)
+    assert sharded[0]["optimizer"] == "ShardedOptimizer"
+    for step in (3, 6):  # each checkpoint: the state of its own step, not an earlier one
+        ours = optimizer_checkpoint(runs, "trainer_sharded", step)
+        theirs = optimizer_checkpoint(runs, "trainer_adamw_ddp", step)
+        # The plain AdamW format of every parameter (all ranks' shards), DDP's to the bit.
+        assert ours["param_groups"] == theirs["param_groups"], step
+        indices = sorted(i for g in theirs["param_groups"] for i in g["params"])
+        assert sorted(ours["state"]) == sorted(theirs["state"]) == indices, step
+        assert len(indices) == 28  # GPT-2's parameters (its head is tied to the embedding)
+        for index, state in theirs["state"].items():
+            assert sorted(ours["state"][index]) == sorted(state), (step, index)
+            for key, value in state.items():
+                assert torch.equal(ours["state"][index][key], value), (step, index, key)
+                assert ours["state"][index][key].shape == value.shape
+        assert all(s["step"].item() == step for s in ours["state"].values()), step
+    # Resumed from checkpoint-3: steps 4-6 log what the uninterrupted run logged, and the
+    # checkpoint it writes at step 6 holds the uninterrupted run's state.
+    checkpoint = os.path.join(runs.outdir, "trainer_sharded_checkpoints", "checkpoint-3")
+    resumed = runs.get("trainer_sharded_resumed", "trainer", "--wrapper", "fused", "--optimizer",
+                       "sharded", *unclipped, "--resume", checkpoint)
+    for rank in range(2):
+        def per_step(run):
+            return [e for e in logged(run) if "train_loss" not in e]
+        assert per_step(resumed[rank]) == per_step(sharded[rank])
+    again = optimizer_checkpoint(runs, "trainer_sharded_resumed", 6)
+    final = optimizer_checkpoint(runs, "trainer_sharded", 6)
+    assert sorted(again["state"]) == sorted(final["state"])
+    for index, state in final["state"].items():
+        for key, value in state.items():
+            assert torch.equal(again["state"][index][key], value), (index, key)
