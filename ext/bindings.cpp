@@ -151,6 +151,7 @@ py::dict straggler_dict(const fused_reducer::StragglerReport& report) {
   d["late_steps"] = report.late_steps;
   d["threshold_ms"] = report.threshold_ms;
   d["median_step_ms"] = report.median_step_ms;
+  d["jitter_ms"] = report.jitter_ms;
   d["interval"] = report.interval;
   d["window"] = report.window;
   return d;
@@ -162,6 +163,8 @@ py::dict stats_dict(const Reducer& reducer) {
   d["step"] = s.step;
   d["allreduces"] = s.allreduces;
   d["allreduce_bytes"] = s.allreduce_bytes;
+  d["health_exchanges"] = s.health_exchanges;
+  d["health_exchange_bytes"] = s.health_exchange_bytes;
   d["rebuilds"] = s.rebuilds;
   d["copy_launches"] = s.copy_launches;
   d["first_bucket_bytes"] = s.bucket_caps_bytes.front();
@@ -217,7 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
            py::arg("reduce_dtype") = py::none(), py::arg("check_finite") = false,
            py::arg("straggler_interval") = 10, py::arg("straggler_window") = 10,
-           py::arg("straggler_threshold_ms") = 0.0, py::arg("straggler_warn_steps") = 10)
+           py::arg("straggler_threshold_ms") = 0.0, py::arg("straggler_warn_steps") = 20)
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("on_outputs_reached", &Reducer::on_outputs_reached,

@@ -759,6 +759,8 @@ void Reducer::finalize_backward() {
   stats_.step += 1;
   stats_.allreduces = launched_this_step_;
   stats_.allreduce_bytes = launched_bytes_this_step_;
+  stats_.health_exchanges = 0;  // counted by allreduce_health below, if this step exchanges
+  stats_.health_exchange_bytes = 0;
   stats_.copy_launches = copy_launches_this_step_;
   record_step(backward_end, now_us());
   last_ready_order_ = ready_order_;
@@ -1020,8 +1022,8 @@ std::string Reducer::averaged_nonfinite_message() const {
 at::Tensor Reducer::allreduce_health(const at::Tensor& row, const char* what) {
   at::Tensor exchanged = row.to(params_.front().device());
   auto pending = transport_->allreduce_sum(exchanged);
-  stats_.allreduces += 1;  // a collective of the step that just completed, counted with it
-  stats_.allreduce_bytes += exchanged.numel() * exchanged.element_size();
+  stats_.health_exchanges += 1;  // of the step that just completed, apart from its gradients'
+  stats_.health_exchange_bytes += exchanged.numel() * exchanged.element_size();
   try {
     pending->wait(options_.timeout);
   } catch (const std::exception& e) {
@@ -1049,6 +1051,8 @@ std::string Reducer::take_straggler_warning() {
 
 void Reducer::shadow_health_exchange() {
   std::lock_guard<std::mutex> lock(mutex_);
+  stats_.health_exchanges = 0;
+  stats_.health_exchange_bytes = 0;
   exchange_health(/*joined=*/true);
 }
 

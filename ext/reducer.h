@@ -66,8 +66,13 @@ void check_reduce_dtype(std::optional<at::ScalarType> dtype);
 
 struct ReducerStats {
   int64_t step = 0;             // completed synchronised backward passes
-  int64_t allreduces = 0;       // collectives launched in the last completed step
-  int64_t allreduce_bytes = 0;  // bytes they reduced
+  // The gradients' collectives of the last completed step: one per bucket (and the used map's
+  // with find_unused_parameters, as DDP), what a profiler counts for the step less the
+  // health exchange's, which is counted apart (Note [Health exchange]).
+  int64_t allreduces = 0;
+  int64_t allreduce_bytes = 0;         // bytes they reduced
+  int64_t health_exchanges = 0;        // check_finite / straggler collectives of that step
+  int64_t health_exchange_bytes = 0;   // bytes they reduced
   int64_t rebuilds = 0;         // layout rebuilds after construction
   int64_t copy_launches = 0;    // fused CUDA copy kernels in the last completed step
   std::vector<int64_t> bucket_caps_bytes;

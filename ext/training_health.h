@@ -26,12 +26,13 @@ struct HealthOptions {
   bool check_finite = false;
   // A rank's median over the window moves once half the window is late (5 steps), so a rank
   // slow from the start is named at the first exchange (step 10), one turning slow mid-run
-  // within 5 to 14 steps. An exchange is one more collective in its step: every 10 steps keeps
-  // the others at one all-reduce per step for runs that count them (5 names within 9).
+  // within 5 to 14 steps. An exchange is one small collective every 10 steps, counted apart
+  // from the gradients' (Stats::health_exchanges).
   int64_t straggler_interval = 10;      // steps between straggler exchanges; 0: off
   int64_t straggler_window = 10;        // steps whose median slack a rank reports
-  double straggler_threshold_ms = 0;    // late beyond this; 0: max(5 ms, 10 % of the median step)
-  int64_t straggler_warn_steps = 10;    // one warning when a rank stays late this many steps
+  // Late beyond this; 0: automatic, Note [A straggler is late relative to the step].
+  double straggler_threshold_ms = 0;
+  int64_t straggler_warn_steps = 20;    // one warning when a rank stays late this many steps
 };
 
 struct StragglerReport {
@@ -43,6 +44,7 @@ struct StragglerReport {
   std::vector<int64_t> late_steps;   // per rank: steps it has been late in a row
   double threshold_ms = 0;
   double median_step_ms = 0;
+  double jitter_ms = 0;              // median over ranks of the interquartile range of their slacks
   int64_t interval = 0;
   int64_t window = 0;
 };
@@ -64,12 +66,18 @@ class TrainingHealth {
   // A joined rank shadowed one step of the others (join): same decision, no sample.
   bool shadow_step();
 
-  // This rank's contribution to the exchange: float64 [3 * world], zeros except its
-  // own entries [nonfinite count, median slack ms, median step ms] (NaN: none).
+  // This rank's contribution to the exchange: float64 [kRow * world], zeros except its
+  // own entries [nonfinite count, median slack ms, median step ms, interquartile range of the
+  // slacks ms] (NaN: none).
+  static constexpr int64_t kRow = 4;
   at::Tensor row(int64_t nonfinite, bool joined) const;
   static int64_t total_nonfinite(const at::Tensor& summed_rows);
   // Reads the summed rows: lateness, stragglers, the warning to log.
   void update_stragglers(const at::Tensor& summed_rows);
+  // The default threshold: Note [A straggler is late relative to the step].
+  static constexpr double kLateFractionOfStep = 0.1;
+  static constexpr double kJitterFactor = 0.5;
+  static double automatic_threshold_ms(double median_step_ms, double jitter_ms);
 
   // The second exchange, when some rank counted non-finite elements: float64
   // [world * kDetail]: this rank's number of offending parameters, then up to

@@ -947,3 +947,10 @@ MUTATIONS = [
         tests=["tests/test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp[world2]"],
     ),
 ]
+
+# Entries kept by area, one file each (same format).
+from mutations_norms import MUTATIONS as _NORMS  # noqa: E402
+from mutations_checkpoints_profile_elastic import MUTATIONS as _CHECKPOINTS  # noqa: E402
+from mutations_health_reports import MUTATIONS as _HEALTH_REPORTS  # noqa: E402
+
+MUTATIONS += _NORMS + _CHECKPOINTS + _HEALTH_REPORTS

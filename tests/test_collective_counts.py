@@ -49,6 +49,8 @@ def train(model, rank, steps, report):
             stats = model.stats()
             report.setdefault("stats", []).append(stats["allreduces"])
             report.setdefault("bytes", []).append(stats["allreduce_bytes"])
+            report.setdefault("health", []).append(stats["health_exchanges"])
+            report.setdefault("health_bytes", []).append(stats["health_exchange_bytes"])
             report.setdefault("rebuilds", []).append(stats["rebuilds"])
             report.setdefault("sizes", []).append(model.bucket_sizes())
             report.setdefault("first", []).append((model.first_bucket_bytes,
@@ -126,6 +128,20 @@ def scenario_fr_runtime(rank, world_size):
     return report
 
 
+def scenario_fr_health_exchanges(rank, world_size):
+    """One bucket; the straggler exchange every 10 steps by default, none with
+    straggler_interval=0, every step with check_finite."""
+    import fused_reducer
+    reports = {}
+    for name, steps, settings in (("default", 21, {}), ("off", 11, {"straggler_interval": 0}),
+                                  ("check_finite", 3, {"check_finite": True})):
+        reports[name] = {}
+        model = fused_reducer.FusedReducer(make_model(), first_bucket_mb=16, **settings)
+        train(model, rank, steps, reports[name])
+        model.close()
+    return reports
+
+
 def scenario_ddp_plain_event(rank, world_size):
     """The event name also appears for DDP's own collectives (sanity for the counting method)."""
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
@@ -136,7 +152,7 @@ def scenario_ddp_plain_event(rank, world_size):
 
 SCENARIOS = [scenario_event_name, scenario_ddp_plain_event, scenario_ddp_default,
              scenario_fr_default, scenario_fr_first_bucket_at_construction, scenario_fr_env_var,
-             scenario_fr_runtime, scenario_fr_process_default]
+             scenario_fr_runtime, scenario_fr_process_default, scenario_fr_health_exchanges]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +161,10 @@ def outcomes():
 
 
 def check_stats_agree(report):
-    assert report["stats"] == report["profiled"], "stats()['allreduces'] vs profiler count"
+    """stats()' counts add up to the profiler's: the gradients' all-reduces, each step all of
+    the gradients' bytes, and the health exchanges apart."""
+    counted = [a + h for a, h in zip(report["stats"], report["health"])]
+    assert counted == report["profiled"], "stats()' allreduces + health_exchanges vs profiler"
     assert report["bytes"] == [GRAD_BYTES] * len(report["bytes"]), "stats()['allreduce_bytes']"
 
 
@@ -208,3 +227,20 @@ def test_runtime_first_bucket_change_gives_one_allreduce_and_survives_forced_reb
             assert sum(sizes) == GRAD_BYTES
         assert r["sizes"][3:] == [[GRAD_BYTES]] * 6
         assert r["first"][3:] == [(SIXTEEN_MIB, SIXTEEN_MIB)] * 6
+
+
+def test_the_health_exchange_is_counted_apart_from_the_gradients_all_reduces(outcomes):
+    for r in per_rank(outcomes, "scenario_fr_health_exchanges"):
+        default, off, finite = r["default"], r["off"], r["check_finite"]
+        # The profiler sees one more collective at steps 10 and 20 (the straggler exchange):
+        # stats()["allreduces"] stays the one bucket, the exchange is counted apart.
+        assert default["profiled"] == [2 if step in (9, 19) else 1 for step in range(21)]
+        assert default["stats"] == [1] * 21
+        assert default["health"] == [1 if step in (9, 19) else 0 for step in range(21)]
+        row_bytes = 4 * 8 * 2  # four float64 entries per rank, 2 ranks
+        assert default["health_bytes"] == [row_bytes * h for h in default["health"]]
+        check_stats_agree(default)
+        assert off["profiled"] == off["stats"] == [1] * 11 and off["health"] == [0] * 11
+        assert finite["profiled"] == [2] * 3 and finite["stats"] == [1] * 3
+        assert finite["health"] == [1] * 3
+        check_stats_agree(finite)

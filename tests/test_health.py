@@ -16,8 +16,10 @@
 import json
 import logging
 import math
+import statistics
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,14 +141,20 @@ def check_straggler(rank, world):
                 "late_onset": (23, {}),  # turns slow mid-run, 8 steps before an exchange
                 "loader_bn": (0, {}),
                 "high_threshold": (0, dict(straggler_threshold_ms=500.0)),
-                "fast": (0, dict(straggler_interval=2, straggler_warn_steps=2))}
+                "fast": (0, dict(straggler_interval=2, straggler_warn_steps=2)),
+                # every rank computes 20 ms (a sleep), rank 1 5 ms more: late by a fifth of
+                # the 25 ms step
+                "a_fifth_of_the_step": (0, {}),
+                # rank 1 late by 8 ms every step, rank 0 by 80 ms in 3 steps of every 10: rank
+                # 1's lateness is within the job's step-to-step scatter
+                "within_the_scatter": (0, {})}
     for variant, (sleep_from, settings) in variants.items():
         records.clear()
         before_forward = variant == "loader_bn"
         net = nn.Sequential(nn.BatchNorm1d(16), _net()) if before_forward else _net()
         ours = FusedReducer(net, **settings)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
-        named_at = warned_at = None
+        named_at = warned_at = measured_before_the_first_exchange = None
         named_ever = []
         steps = 50 if sleep_from is None else sleep_from + 30
         for step in range(steps):
@@ -156,11 +164,13 @@ def check_straggler(rank, world):
             if sleepy and rank == 1 and before_forward:
                 time.sleep(0.04)
             loss = _loss(ours, x, y)
-            if sleepy and rank == 1 and not before_forward:
-                time.sleep(0.04)
+            if sleepy and not before_forward:
+                time.sleep(_straggler_sleep_s(variant, rank, step))
             loss.backward()
             opt.step()
             report = ours.straggler_report()
+            if step + 1 == report["interval"] - 1:
+                measured_before_the_first_exchange = report["measured"]
             if warned_at is None and any("straggler" in m for m in records):
                 warned_at = step + 1
             if report["stragglers"]:
@@ -170,13 +180,34 @@ def check_straggler(rank, world):
         path = ours.export_trace(f"/tmp/fr_health_trace_{rank}_{variant}.json")
         with open(path) as f:
             rows = {e["name"] for e in json.load(f)["traceEvents"]}
+        # The independent reference of the report's medians: each step's slack from the step
+        # telemetry (its last bucket's wait for the others; these models' forwards have no
+        # collective), over the window that ends at the last exchange, every rank's.
+        window = [e for e in ours.step_history()
+                  if report["step"] - report["window"] < e["step"] <= report["step"]]
+        slacks = [(e["buckets"][-1]["complete_us"] - e["buckets"][-1]["ready_last_us"]) / 1e3
+                  for e in window]
+        every_slack = [None] * world
+        dist.all_gather_object(every_slack, slacks)
         out[variant] = dict(named_at=named_at, warned_at=warned_at, named_ever=named_ever,
-                            report=report,
+                            report=report, every_slack=every_slack,
+                            measured_before_the_first_exchange=measured_before_the_first_exchange,
                            warnings=[m for m in records if "straggler" in m],
                            lateness_rows=sorted(r for r in rows if r.startswith("lateness")))
         ours.close()
     logging.getLogger("fused_reducer").removeHandler(handler)
     return out
+
+
+def _straggler_sleep_s(variant, rank, step):
+    """How long `rank` sleeps between forward and backward at `step` of a variant."""
+    if variant == "a_fifth_of_the_step":
+        return 0.025 if rank == 1 else 0.02
+    if variant == "within_the_scatter":
+        if rank == 0:
+            return 0.08 if step % 10 in (1, 4, 7) else 0.0
+        return 0.008
+    return 0.04 if rank == 1 else 0.0
 
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
@@ -594,7 +625,9 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         slack = slow["report"]["slack_ms"]
         assert slow["report"]["measured"] and min(slack[r] for r in range(world) if r != 1) >= 20
         assert slack[1] < 30, slow["report"]
+        # Named at the first exchange, warned once it stayed late straggler_warn_steps (20).
         assert len(slow["warnings"]) == 1 and "rank 1 has been late" in slow["warnings"][0], slow
+        assert slow["warned_at"] == 20, slow
         assert "lateness of rank 1 (ms)" in slow["lateness_rows"], slow["lateness_rows"]
         # Slow before forward, the wait in the buffer broadcast: named all the same.
         loader = out["loader_bn"]
@@ -620,6 +653,46 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names
         assert fast["named_at"] is not None and fast["named_at"] <= 6, fast
         assert len(fast["warnings"]) == 1 and "rank 1 has been late" in fast["warnings"][0], fast
         assert fast["warned_at"] < slow["warned_at"], (fast["warned_at"], slow["warned_at"])
+        # Late by a fifth of the step: named at the first exchange (the automatic threshold is
+        # a fraction of the step, not a fixed number of milliseconds).
+        fifth = out["a_fifth_of_the_step"]
+        assert fifth["named_at"] is not None and fifth["named_at"] <= 10, fifth
+        assert fifth["report"]["stragglers"] == [1], fifth["report"]
+        assert fifth["report"]["threshold_ms"] < fifth["report"]["lateness_ms"][1], fifth["report"]
+        # Late by 8 ms every step, but rank 0 arrives 80 ms late in 3 steps of 10: within the
+        # step-to-step scatter, nobody is named (the threshold is half that scatter).
+        scattered = out["within_the_scatter"]
+        assert scattered["named_ever"] == [] and scattered["warnings"] == [], scattered
+        assert scattered["report"]["lateness_ms"][1] >= 4, scattered["report"]
+        assert scattered["report"]["threshold_ms"] > scattered["report"]["lateness_ms"][1]
+
+
+def test_the_straggler_report_is_the_median_of_each_ranks_measured_slack(outcomes):
+    """The report against each rank's step telemetry: slack_ms the median of its last window's
+    slacks, lateness_ms the latest rank's minus each, jitter_ms the median over ranks of their
+    interquartile ranges (numpy), the automatic threshold the larger of 10 % of the median step
+    and half of that; `measured` only once an exchange happened."""
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_straggler"):
+        for variant, result in out.items():
+            report = result["report"]
+            assert result["measured_before_the_first_exchange"] is False, variant
+            assert report["measured"] is True, variant
+            if variant == "loader_bn":
+                continue  # its slack also holds the wait in the forward's broadcast
+            every_slack = result["every_slack"]
+            assert all(len(s) == report["window"] for s in every_slack), (variant, every_slack)
+            medians = [statistics.median(s) for s in every_slack]
+            for r in range(world):
+                assert report["slack_ms"][r] == pytest.approx(medians[r], abs=1e-3), variant
+                assert report["lateness_ms"][r] == pytest.approx(max(medians) - medians[r],
+                                                                 abs=1e-3), variant
+            scatters = [np.percentile(s, 75) - np.percentile(s, 25) for s in every_slack]
+            assert report["jitter_ms"] == pytest.approx(statistics.median(scatters), abs=1e-3)
+            if "straggler_threshold_ms" not in str(variant) and variant != "high_threshold":
+                expected = max(0.1 * report["median_step_ms"], 0.5 * report["jitter_ms"])
+                assert report["threshold_ms"] == pytest.approx(expected, rel=1e-9), variant
+            assert report["slowest"] == max(range(world), key=lambda r: report["lateness_ms"][r])
 
 
 def test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp(outcomes):

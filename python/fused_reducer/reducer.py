@@ -108,7 +108,7 @@ class FusedReducer(nn.Module, Joinable):
                  mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
                  skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
                  param_to_hook_all_reduce=None, check_finite=False, straggler_interval=10,
-                 straggler_window=10, straggler_threshold_ms=None, straggler_warn_steps=10):
+                 straggler_window=10, straggler_threshold_ms=None, straggler_warn_steps=20):
         super().__init__()
         Joinable.__init__(self)
         _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
@@ -732,8 +732,12 @@ class FusedReducer(nn.Module, Joinable):
         them, median of its last `straggler_window` steps; None: not measured), slack_ms (per
         rank: that wait, the same median),
         slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
-        rank, steps late in a row), threshold_ms, median_step_ms, step (of the last exchange,
-        0: none yet), interval, window, measured (whether any rank's lateness is known yet).
+        rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
+        (straggler_threshold_ms, or automatic: 10 % of median_step_ms, and at least half of
+        jitter_ms, the ranks' median step-to-step scatter of their slack: Note [A straggler
+        is late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
+        step (of the last exchange, 0: none yet), interval, window, measured (whether any
+        rank's lateness is known yet).
         On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
         the compute stream, once the device has finished them (Note [Lateness from slack on
         the GPU] in ext/reducer.cpp). The same on every rank; local, no collective."""
@@ -827,8 +831,11 @@ class FusedReducer(nn.Module, Joinable):
         return [[self._param_names[i] for i in bucket] for bucket in self._live_reducer().bucket_params()]
 
     def stats(self):
-        """step, allreduces and allreduce_bytes (of the last completed step), rebuilds, limits,
-        reduce_dtype (of the layout in force: str(torch.dtype) or None);
+        """step; allreduces and allreduce_bytes: the gradients' collectives of the last
+        completed step (one per bucket, plus the used map's with find_unused_parameters, as
+        DDP); health_exchanges and health_exchange_bytes: that step's check_finite / straggler
+        exchange, counted apart (every step with check_finite, else every straggler_interval
+        steps); rebuilds, limits, reduce_dtype (of the layout in force: str(torch.dtype) or None);
         telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
         ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
         first gradient), overlap, exposed_wait_us, backward_end_us."""

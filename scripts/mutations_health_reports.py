@@ -1,0 +1,73 @@
+"""Mutation entries for the straggler report and the step's counts (issue 38); same format as
+scripts/mutations.py's MUTATIONS."""
+
+HEALTH_CPP = "ext/training_health.cpp"
+HEALTH = "tests/test_health.py::"
+REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[2]"
+NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody[2]"
+COUNTS = "tests/test_collective_counts.py::"
+
+MUTATIONS = [
+    dict(
+        id="straggler-median-of-an-even-window-is-its-upper-middle",
+        file=HEALTH_CPP,
+        edits=[("  return (upper + *std::max_element(values.begin(), values.begin() + mid)) / 2;",
+                "  return upper;")],
+        why="the median of an even window (10 steps) is its upper middle sample: every rank's "
+            "slack and lateness read high by half a sample gap",
+        tests=[REPORT],
+    ),
+    dict(
+        id="straggler-scatter-from-the-wrong-quantiles",
+        file=HEALTH_CPP,
+        edits=[("  return quantile(0.75) - quantile(0.25);", "  return quantile(0.9) - quantile(0.1);")],
+        why="the step-to-step scatter is the 10-90 % range instead of the interquartile one: "
+            "the automatic threshold rises and real stragglers go unnamed",
+        tests=[REPORT],
+    ),
+    dict(
+        id="straggler-threshold-ignores-the-scatter",
+        file=HEALTH_CPP,
+        edits=[("  const double of_jitter = std::isnan(jitter_ms) ? 0.0 : kJitterFactor * jitter_ms;",
+                "  const double of_jitter = 0.0;")],
+        why="a lateness within the job's step-to-step scatter names a rank: a healthy job on a "
+            "loaded host is warned about (the issue's 5.28 ms warning)",
+        tests=[NAMED, REPORT],
+    ),
+    dict(
+        id="straggler-threshold-a-fixed-5-ms",
+        file=HEALTH_CPP,
+        edits=[("  return std::max(of_step, of_jitter);", "  return std::max(5.0, of_jitter);")],
+        why="the automatic threshold is a fixed 5 ms again instead of a fraction of the step: a "
+            "slow job's noise names ranks, a fast job's stragglers go unnamed",
+        tests=[REPORT],
+    ),
+    dict(
+        id="straggler-lateness-from-the-latest-rank",
+        file=HEALTH_CPP,
+        edits=[("    if (!std::isnan(entries[1])) earliest = std::max(earliest, entries[1]);",
+                "    if (!std::isnan(entries[1])) earliest = entries[1];")],
+        why="lateness is measured from the last rank's slack instead of the earliest rank's: "
+            "with 3 ranks the wrong rank is named",
+        tests=[REPORT],
+    ),
+    dict(
+        id="straggler-warning-after-one-exchange",
+        file="python/fused_reducer/reducer.py",
+        edits=[("straggler_threshold_ms=None, straggler_warn_steps=20):",
+                "straggler_threshold_ms=None, straggler_warn_steps=10):")],
+        why="the warning comes after one late exchange: one noisy window on a loaded host "
+            "warns about a healthy job",
+        tests=[NAMED],
+    ),
+    dict(
+        id="health-exchange-counted-as-a-gradient-all-reduce",
+        file="ext/reducer.cpp",
+        edits=[("  stats_.health_exchanges += 1;  // of the step that just completed, apart from "
+                "its gradients'",
+                "  stats_.allreduces += 1;")],
+        why="stats()['allreduces'] says 2 where the layout has one bucket, every straggler "
+            "interval (the issue's 3 for 2 buckets)",
+        tests=[COUNTS + "test_the_health_exchange_is_counted_apart_from_the_gradients_all_reduces"],
+    ),
+]
