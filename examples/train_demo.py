@@ -63,6 +63,15 @@ def train(model, steps, on_step=None, count=count_allreduces):
     return rows
 
 
+def describe_stats(stats):
+    """stats() read as a user should: the gradients' all-reduces (one per bucket) apart from the
+    training-health exchange (a small all-reduce every straggler_interval steps)."""
+    return (f"step {stats['step']}: {stats['allreduces']} gradient all-reduce(s) of "
+            f"{stats['allreduce_bytes'] / MiB:.1f} MiB in {stats['buckets']} bucket(s), "
+            f"{stats['health_exchanges']} health exchange(s) ({stats['health_exchange_bytes']} B), "
+            f"{stats['rebuilds']} layout rebuild(s), transport {stats['transport']}")
+
+
 def main(backend="auto"):
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -86,7 +95,7 @@ def main(backend="auto"):
     say(f"FusedReducer, first bucket 1 MiB -> 16 MiB at step 3: all-reduces per step {counts}")
     say(f"  layout (bytes per bucket, launch order) before the change: {layouts[2]}")
     say(f"  layout after the change:                                  {model.bucket_sizes()}")
-    say(f"  stats: {model.stats()}")
+    say(f"  stats() of the last step: {describe_stats(model.stats())}")
     model.rebuild_buckets()
     counts = train(model, 2)
     say(f"  after a forced rebuild the first bucket still holds: {model.bucket_sizes()} "
