@@ -60,6 +60,7 @@ torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a gra
 after step() fail loudly instead of computing something else: clip with ``opt.clip_grad_norm_``
 (the norm over all shards). Note [Released gradients] in ext/reducer.cpp.
 """
+import functools
 import math
 import sys
 
@@ -363,10 +364,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return grads, total.cpu().to(self._norm_result_dtype())
 
     def _norm_result_dtype(self):
-        """float64 if any parameter is float64 or complex128, else float32: the same on every
-        rank (all know every parameter)."""
-        wide = any(p.dtype in (torch.float64, torch.complex128) for p in self.model.parameters())
-        return torch.float64 if wide else torch.float32
+        """torch's (get_total_norm under DDP): the promoted real dtype of this optimizer's reduced
+        parameters (bfloat16 for a bfloat16 model, master_dtype or not; float32 for bfloat16 +
+        float32; float64 with a float64 or complex128 one): the same on every rank (all know
+        every parameter)."""
+        params = self.model._reducer_params()
+        dtypes = [params[i].dtype.to_real() for i in self._group_of]
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
     # -- the step --------------------------------------------------------------------------------
     # GradScaler then hands itself to step() instead of unscaling param.grad (None here).
