@@ -114,6 +114,7 @@ COVERAGE = {
     ],
     "`stats()`": [
         "test_collective_counts.py::test_fused_reducer_default_does_two_allreduces_per_step_after_rebuild",
+        "test_collective_counts.py::test_the_health_exchange_is_counted_apart_from_the_gradients_all_reduces",
         "test_collective_counts.py::test_runtime_first_bucket_change_gives_one_allreduce_and_survives_forced_rebuilds",
         "test_autotune.py::test_stats_have_per_bucket_telemetry_of_the_last_step",
         A + "test_defaults_and_stats_step_count_synchronised_backwards",
@@ -250,6 +251,7 @@ COVERAGE = {
     ],
     "`straggler_report()`": [
         "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
+        "test_health.py::test_the_straggler_report_is_the_median_of_each_ranks_measured_slack",
     ],
     "`grad_norm(norm_type=2.0)`, `clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None)`": [
         "test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp",
