@@ -71,3 +71,24 @@ MUTATIONS = [
         tests=[COUNTS + "test_the_health_exchange_is_counted_apart_from_the_gradients_all_reduces"],
     ),
 ]
+
+MUTATIONS += [
+    dict(
+        id="straggler-measured-only-when-every-rank-is",
+        file="python/fused_reducer/reducer.py",
+        edits=[('report["measured"] = any(v is not None for v in report["lateness_ms"])',
+                'report["measured"] = all(v is not None for v in report["lateness_ms"])')],
+        why="a report with a joined rank (uneven inputs under join) says nothing was measured, "
+            "though the ranks still training were",
+        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[2]"],
+    ),
+    dict(
+        id="straggler-joined-rank-reports-its-stale-median",
+        file=HEALTH_CPP,
+        edits=[("  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});",
+                "  entries[1] = median({slack_ms_.begin(), slack_ms_.end()});")],
+        why="a joined rank contributes the median of slacks from before it joined: it can be "
+            "named late (or make others late) for steps it did not train",
+        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[2]"],
+    ),
+]

@@ -328,7 +328,8 @@ def check_join(rank, world):
     report = ours.straggler_report()
     diff = _max_diff(ours.module.parameters(), ddp.module.parameters())
     ours.close()
-    return dict(diff=diff, report_step=report["step"], late_steps=tuple(report["late_steps"]))
+    return dict(diff=diff, report_step=report["step"], late_steps=tuple(report["late_steps"]),
+                lateness_ms=report["lateness_ms"], measured=report["measured"])
 
 
 def check_norm_of_a_large_layer(rank, world):
@@ -799,6 +800,13 @@ def test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join(outcom
         assert out["report_step"] > 0, out
     # The joined ranks shadowed the others' steps: the report is the same on every rank.
     assert len({(out["report_step"], out["late_steps"]) for out in outs}) == 1, outs
+    # At the last exchange (step 7: with check_finite every step exchanges) only rank 0
+    # (7 batches) still trained: the joined ranks' lateness is not measured (None), rank 0's
+    # is, and so the report is `measured`.
+    for out in outs:
+        assert out["report_step"] == 7, out
+        assert out["lateness_ms"][0] is not None and out["measured"] is True, out
+        assert out["lateness_ms"][1:] == [None] * (world - 1), out
 
 
 def test_the_norm_follows_changes_the_version_counter_misses_unscale_data_all_reduce(outcomes):
