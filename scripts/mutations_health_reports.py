@@ -3,8 +3,8 @@ scripts/mutations.py's MUTATIONS."""
 
 HEALTH_CPP = "ext/training_health.cpp"
 HEALTH = "tests/test_health.py::"
-REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[2]"
-NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody[2]"
+REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[world2]"
+NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody[world2]"
 COUNTS = "tests/test_collective_counts.py::"
 
 MUTATIONS = [
@@ -80,7 +80,7 @@ MUTATIONS += [
                 'report["measured"] = all(v is not None for v in report["lateness_ms"])')],
         why="a report with a joined rank (uneven inputs under join) says nothing was measured, "
             "though the ranks still training were",
-        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[2]"],
+        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[world2]"],
     ),
     dict(
         id="straggler-joined-rank-reports-its-stale-median",
@@ -89,6 +89,6 @@ MUTATIONS += [
                 "  entries[1] = median({slack_ms_.begin(), slack_ms_.end()});")],
         why="a joined rank contributes the median of slacks from before it joined: it can be "
             "named late (or make others late) for steps it did not train",
-        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[2]"],
+        tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[world2]"],
     ),
 ]
