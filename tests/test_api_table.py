@@ -417,7 +417,15 @@ COVERAGE = {
 }
 
 
-# -- reading README.md -----------------------------------------------------------------------------
+# -- reading the API reference (docs/API.md; the README links to it) --------------------------------
+
+API_PAGE = os.path.join(ROOT, "docs", "API.md")  # the tables, promises and signature read below
+
+
+def _api_page():
+    with open(API_PAGE) as f:
+        return f.read()
+
 
 def _normal(text):
     return " ".join(text.split())
@@ -457,21 +465,20 @@ def _table_first_cells(readme, header):
 
 
 def readme_rows_and_promises():
-    """The README's API table rows, how-it-differs rows and promises, as COVERAGE keys."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    """The API reference's table rows, how-it-differs rows and promises, as COVERAGE keys."""
+    readme = _api_page()
     keys = _table_first_cells(readme, "| API |")
     keys += _table_first_cells(readme, "| | DDP | FusedReducer |")
     same = re.search(r"Same as DDP: (.*?)\n\n", readme, re.S)
-    assert same, "README: the 'Same as DDP:' paragraph is gone"
+    assert same, "docs/API.md: the 'Same as DDP:' paragraph is gone"
     keys += _split_top_level(same.group(1).strip().rstrip("."), "; ")
     switching = re.search(r"Identical: (.*?)\. Differs: (.*?)\. Details", readme, re.S)
-    assert switching, "README: the 'Identical: ... Differs: ...' sentences are gone"
+    assert switching, "docs/API.md: the 'Identical: ... Differs: ...' sentences are gone"
     identical = _split_top_level(switching.group(1), ", ")
     keys += [k + "|identical" if k in keys else k for k in identical]
     keys += _split_top_level(switching.group(2), "; ")
     signature = re.search(r"`FusedReducer\(module, ", readme)
-    assert signature, "README: the constructor signature is gone"
+    assert signature, "docs/API.md: the constructor signature is gone"
     keys.append("FusedReducer(module, ...) signature and defaults")
     return keys
 
@@ -520,11 +527,10 @@ def test_testing_md_shows_the_same_map():
 
 
 def test_constructor_signature_and_defaults_are_the_readmes():
-    """No spawn. The README's `FusedReducer(module, ...)` line, parsed, is the constructor's
+    """No spawn. docs/API.md's `FusedReducer(module, ...)` line, parsed, is the constructor's
     signature: same arguments, same order, same defaults."""
     from fused_reducer import FusedReducer
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    readme = _api_page()
     match = re.search(r"`(FusedReducer\(module, .*?\))`", readme, re.S)
     call = ast.parse(_normal(match.group(1)), mode="eval").body
     documented = [("module", inspect.Parameter.empty)]
