@@ -1,4 +1,4 @@
-"""Markdown tables for docs/PERFORMANCE.md from the benchmarks' JSON files.
+"""Markdown tables for docs/RESULTS.md and docs/archive/PERFORMANCE_LOG.md from the benchmarks' JSON files.
 
     python bench/report.py bench/out/step_cpu.json bench/out/allreduce_bw_cpu.json
     python bench/report.py --summary bench/out/issue10_run*.json   # one row per model over runs

@@ -18,7 +18,7 @@ if ! $PY -c "import pybind11, ninja, pytest, hypothesis, numpy, matplotlib, setu
 fi
 # The optional extras the tests and benchmarks use (setup.py: test, lightning, bench, hf); torch==2.14.1
 # in the same command so that no dependency can swap torch (torchvision 0.29.1 pairs with it).
-# transformers and accelerate at the versions the README's "Hugging Face" section names as tested
+# transformers and accelerate at the versions docs/INTEGRATIONS.md's "Hugging Face" section names as tested
 # (fused_reducer.transformers/.accelerate check their non-public hook points against them).
 if ! $PY -c "import importlib.metadata as m, sys
 pins = {'torchvision': '0.29.1', 'transformers': '5.25.0', 'accelerate': '1.16.0'}

@@ -345,7 +345,7 @@ def test_autotune_bench_smoke_sweep_tuned_and_final(tmp_path):
 
 
 def test_norm_reference_smoke_ours_is_the_float64_norm(tmp_path):
-    """bench/norm_reference.py (docs/PERFORMANCE.md's table of torch's thread-dependent CPU
+    """bench/norm_reference.py (docs/archive/PERFORMANCE_LOG.md's table of torch's thread-dependent CPU
     norm): runs, writes its rows, and the norm from the copy is the float64 norm."""
     out_json = tmp_path / "norms.json"
     res = run_bench("norm_reference.py", "--sizes", "5000,70000", "--threads-list", "1,2",

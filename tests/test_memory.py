@@ -165,7 +165,7 @@ def test_a_rebuild_without_bucket_views_needs_no_second_layout(measured):
     """Without gradient_as_bucket_view nothing lives in the buckets between steps, so a rebuild
     can drop the old layout before it makes the new one: the limit changes' peak stays within a
     step's. (With gradient_as_bucket_view the gradients move from the old buckets into the new:
-    one more layout at the peak, as in DDP's own rebuild; docs/PERFORMANCE.md.)"""
+    one more layout at the peak, as in DDP's own rebuild; docs/archive/PERFORMANCE_LOG.md.)"""
     for rank, per_impl in enumerate(measured):
         entry = per_impl[("fused-shm", False)]
         assert entry["peak"] <= GRAD_BYTES // 4, (rank, _mib(entry["peak"]))

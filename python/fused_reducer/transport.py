@@ -18,7 +18,7 @@ BACKENDS = ("auto", "nccl", "shm", "process_group")
 # run through it: 256 KiB keeps it at 1.5 MiB for 2 ranks (4 MiB chunks made it 24 MiB, and
 # FusedReducer's resident memory 1.07-1.12x DDP's on a 96 MiB-gradient model; issue 22). It is
 # also among the fastest sizes on a 2-core EPYC VM (a chunk's slots stay in L2): 64 MiB summed in
-# 15-20 ms, 17-18 with 512 KiB, 23 with 1 MiB, 39 with 4 MiB (docs/PERFORMANCE.md).
+# 15-20 ms, 17-18 with 512 KiB, 23 with 1 MiB, 39 with 4 MiB (docs/archive/PERFORMANCE_LOG.md).
 SHM_CHUNK_BYTES = 256 << 10
 _SHM_MIN_CHUNK_BYTES = 256 << 10
 # The longest timeout: longer ones (inf, timedelta.max) mean "no timeout" and become this (the
