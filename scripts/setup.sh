@@ -3,6 +3,12 @@
 # (skipped when the sources have not changed since the last install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One set-up at a time per checkout: two at once (a test run and the mutation check, say) would
+# install into the same .venv together.
+if command -v flock > /dev/null; then
+  exec 9> "${TMPDIR:-/tmp}/fused_reducer_setup.$(echo "$PWD" | cksum | cut -d' ' -f1).lock"
+  flock 9
+fi
 
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
