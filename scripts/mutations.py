@@ -55,8 +55,9 @@ MUTATIONS = [
     dict(
         id="skip-layout-broadcast",
         file=REDUCER_CPP,
-        edits=[("    group_->broadcast(tensors, broadcast)->wait(options_.timeout);",
-                "    (void)broadcast;")],
+        edits=[("  auto work = group_->broadcast(tensors, broadcast);",
+                "  std::vector<at::Tensor> sent{tensors[0].clone()};\n"
+                "  auto work = group_->broadcast(sent, broadcast);  // rank 0's inputs land in a copy")],
         why="the rebuild uses each rank's own observed order and limits instead of rank 0's: "
             "layouts differ across ranks whenever ready orders differ",
         tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
@@ -75,7 +76,7 @@ MUTATIONS = [
     dict(
         id="unused-param-not-zero-filled",
         file=REDUCER_CPP,
-        edits=[("    jobs.push_back({at::Tensor(), view});  // an unused parameter contributes zeros",
+        edits=[("    jobs.push_back({at::Tensor(), view, index});  // an unused parameter contributes zeros",
                 "    (void)view;  // an unused parameter contributes zeros")],
         why="a locally unused parameter's slot is not zeroed: it contributes whatever the slot "
             "held (last step's reduced gradient) to the others' average",
@@ -169,10 +170,8 @@ MUTATIONS = [
     dict(
         id="nonview-unpack-gives-view",
         file=REDUCER_CPP,
-        edits=[("      grad = options_.gradient_as_bucket_view\n"
-                "                 ? view\n",
-                "      grad = true\n"
-                "                 ? view\n")],
+        edits=[("    if (!grad.defined() && options_.gradient_as_bucket_view) {\n      grad = view;",
+                "    if (!grad.defined()) {\n      grad = view;")],
         why="without gradient_as_bucket_view, param.grad becomes a view of the bucket anyway: "
             "the next step's collective overwrites gradients the user still holds",
         tests=[K + "test_without_bucket_view_grads_are_private_copies"],
@@ -201,8 +200,9 @@ MUTATIONS = [
         file=REDUCER_CPP,
         edits=[("  if (comm_hook_) {\n    return 1.0;\n  }\n  return 1.0 / static_cast<double>(gradient_divisor());",
                 "  return 1.0;"),
-               ("  wait_for_bucket(index);\n  BucketTiming& timing",
-                "  wait_for_bucket(index);\n  if (!comm_hook_) buckets_[index].flat.mul_(1.0 / gradient_divisor());\n  BucketTiming& timing")],
+               ("  wait_for_bucket(index);\n  if (!buckets_[index].skipped) {",
+                "  wait_for_bucket(index);\n  if (!comm_hook_) buckets_[index].flat.mul_(1.0 / gradient_divisor());\n"
+                "  if (!buckets_[index].skipped) {")],
         why="ncclAvg's arithmetic restored: buckets summed unscaled, then multiplied by 1/n in "
             "the bucket's dtype (a second rounding; not DDP's bits at 3 ranks, and in bf16/fp16 "
             "a bias), instead of scaling each gradient in the copy",
@@ -249,8 +249,8 @@ MUTATIONS = [
     dict(
         id="no-sync-exit-turns-sync-on",
         file=REDUCER_PY,
-        edits=[("            self._reducer.set_sync_enabled(previous)\n            self._syncing = previous",
-                "            self._reducer.set_sync_enabled(True)\n            self._syncing = True")],
+        edits=[("        finally:\n            self.require_backward_grad_sync = previous",
+                "        finally:\n            self.require_backward_grad_sync = True")],
         why="leaving an inner no_sync() turns syncing on inside an outer one: the backward still "
             "in the outer window is averaged (DDP keeps it local)",
         tests=["tests/test_exactness.py::test_no_sync_nests_like_ddp_and_restores_the_previous_setting_when_the_body_raises"],
@@ -260,8 +260,8 @@ MUTATIONS = [
     dict(
         id="cpu-copy-loop-unscaled",
         file="ext/bucket_copy.cpp",
-        edits=[("      dst[i] = static_cast<Dst>(src[i] * scale);",
-                "      dst[i] = static_cast<Dst>(src[i]);")],
+        edits=[("      dst[i] = static_cast<Dst>(x * scale);",
+                "      dst[i] = static_cast<Dst>(x);")],
         why="the CPU fast path of the bucket copy drops the 1/world_size scale: every fp32 "
             "gradient reaches the all-reduce unscaled, ranks get the sum instead of the average",
         tests=[EQ + "test_fp32_grads_match_ddp_with_default_cap[world2]"],
@@ -298,9 +298,9 @@ MUTATIONS = [
         id="no-sync-without-finally",
         file=REDUCER_PY,
         edits=[("        try:\n            yield\n        finally:\n"
-                "            self._reducer.set_sync_enabled(previous)\n            self._syncing = previous",
+                "            self.require_backward_grad_sync = previous",
                 "        yield\n"
-                "        self._reducer.set_sync_enabled(previous)\n        self._syncing = previous")],
+                "        self.require_backward_grad_sync = previous")],
         why="an exception inside `with model.no_sync():` leaves synchronisation off for the "
             "rest of training (DDP restores it in a finally)",
         tests=[K + "test_exception_inside_no_sync_leaves_sync_on"],
@@ -446,8 +446,8 @@ MUTATIONS = [
     dict(
         id="autotune-plan-not-from-rank0",
         file="python/fused_reducer/autotune.py",
-        edits=[("        plan = None\n        if self.rank == 0:\n            plan = self._rank0_plan(",
-                "        plan = None\n        if True:\n            plan = self._rank0_plan("),
+        edits=[("        plan = None\n        if self.rank == 0:\n            try:",
+                "        plan = None\n        if True:\n            try:"),
                ("        plan = box[0]\n", "        plan = plan  # this rank's own plan\n")],
         why="every rank makes its own tuning plan from its own ready times instead of rank 0's: "
             "ranks measure different trials (and may issue different numbers of collectives)",
@@ -641,7 +641,7 @@ MUTATIONS = [
     dict(
         id="shm-keys-ignore-restart-attempt",
         file="python/fused_reducer/transport.py",
-        edits=[('    prefix = f"fused_reducer/{restart_attempt()}/{topic}/{key}/{round_}/"',
+        edits=[('    prefix = f"fused_reducer/{token}/{topic}/{key}/{round_}/"',
                 '    prefix = f"fused_reducer/{topic}/{key}/{round_}/"')],
         why="after a torchrun restart the new attempt reads the dead attempt's values from the "
             "launcher's store (a segment name that is gone: silent fallback, or a hang)",
@@ -661,8 +661,8 @@ MUTATIONS = [
     dict(
         id="unused-here-keeps-bucket-dtype",
         file=REDUCER_CPP,
-        edits=[("                 : view.to(params_[index].scalar_type(), /*non_blocking=*/false, /*copy=*/true);",
-                "                 : view.clone();")],
+        edits=[("      grad = at::empty_strided(view.sizes(), view.strides(), params_[index].options());",
+                "      grad = at::empty_strided(view.sizes(), view.strides(), view.options());")],
         why="find_unused_parameters with reduce_dtype=bf16: a parameter unused on this rank but used on another gets a bf16 gradient instead of one in its own dtype (the optimizer then mixes dtypes)",
         tests=["tests/test_slips.py::test_unused_here_used_elsewhere_gets_the_average_in_the_parameters_own_dtype"],
     ),
@@ -933,8 +933,8 @@ MUTATIONS = [
     dict(
         id="clip-from-copy-forgets-the-max",
         file=REDUCER_PY,
-        edits=[("        return torch.tensor(max_abs if math.isfinite(sum_abs) else sum_abs,",
-                "        return torch.tensor(sum_abs,")],
+        edits=[("        return torch.tensor(max_abs, dtype=torch.float64)",
+                "        return torch.tensor(sum_abs, dtype=torch.float64)")],
         why="model.clip_grad_norm_(norm_type=inf) from the copy returns the 1-norm",
         tests=["tests/test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp[world2]"],
     ),
