@@ -18,7 +18,7 @@ behaviour (equivalent) does not belong here; replace it with one that can.
 """
 
 REDUCER_CPP = "ext/reducer.cpp"
-REDUCER_PY = "python/fused_reducer/reducer.py"
+REDUCER_PY = "python/fused_reducer/core/wrapper.py"
 K = "tests/test_mutant_killers.py::"
 EQ = "tests/test_equivalence_ddp.py::"
 BEH = "tests/test_dropin_behaviours.py::"
@@ -385,7 +385,7 @@ MUTATIONS = [
     ),
     dict(
         id="join-skips-unused-map",
-        file="python/fused_reducer/join.py",
+        file="python/fused_reducer/core/join.py",
         edits=[("        if model.find_unused_parameters:\n            # Not zeros",
                 "        if False:\n            # Not zeros")],
         why="a joined rank does not shadow the unused-parameter all-reduce of "
@@ -426,7 +426,7 @@ MUTATIONS = [
     ),
     dict(
         id="comm-hook-result-dropped",
-        file="python/fused_reducer/comm_hooks.py",
+        file="python/fused_reducer/core/comm_hooks.py",
         edits=[("            with torch.no_grad():\n                flat.copy_(result.view(-1))",
                 "            pass")],
         why="a hook's future holding a new tensor (fp16/bf16 compression, PowerSGD) is not "
@@ -435,7 +435,7 @@ MUTATIONS = [
     ),
     dict(
         id="duplicate-gpu-by-index",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[("        users.setdefault((host, physical), (device, []))[1].append(rank)",
                 "        users.setdefault((host, device), (device, []))[1].append(rank)")],
         why="the one-rank-per-GPU check compares the CUDA index instead of the physical GPU: "
@@ -445,7 +445,7 @@ MUTATIONS = [
     ),
     dict(
         id="autotune-plan-not-from-rank0",
-        file="python/fused_reducer/autotune.py",
+        file="python/fused_reducer/tuning/autotune.py",
         edits=[("        plan = None\n        if self.rank == 0:\n            try:",
                 "        plan = None\n        if True:\n            try:"),
                ("        plan = box[0]\n", "        plan = plan  # this rank's own plan\n")],
@@ -455,7 +455,7 @@ MUTATIONS = [
     ),
     dict(
         id="autotune-step-times-not-agreed",
-        file="python/fused_reducer/autotune.py",
+        file="python/fused_reducer/tuning/autotune.py",
         edits=[("        agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,\n"
                 "                                   self.model._control_device)\n",
                 "        agreed = list(times)\n")],
@@ -466,7 +466,7 @@ MUTATIONS = [
     # -- the planner -------------------------------------------------------------------------------
     dict(
         id="profile-agreement-on-cpu",
-        file="python/fused_reducer/profile.py",
+        file="python/fused_reducer/tuning/profile.py",
         edits=[("    control = model._control_device\n", "    control = \"cpu\"\n")],
         why="export_profile stages its agreements on CPU tensors whatever the group: a plain "
             "NCCL group refuses them, so recording a profile fails on every GPU cluster",
@@ -474,7 +474,7 @@ MUTATIONS = [
     ),
     dict(
         id="planner-copy-back-constant",
-        file="python/fused_reducer/costmodel.py",
+        file="python/fused_reducer/tuning/costmodel.py",
         edits=[("        return self.finalize_us * late_bytes / self.finalize_bytes",
                 "        return self.finalize_us")],
         why="the copy back after backward stays the recorded layout's for every layout: a layout "
@@ -485,7 +485,7 @@ MUTATIONS = [
     ),
     dict(
         id="planner-anchor-unscaled",
-        file="python/fused_reducer/plan.py",
+        file="python/fused_reducer/tuning/plan.py",
         edits=[("        self.residual_us = residual_us * compute_scale\n",
                 "        self.residual_us = residual_us\n")],
         why="the recorded run's unmodelled time is added at full size after --compute-scale "
@@ -495,7 +495,7 @@ MUTATIONS = [
     ),
     dict(
         id="planner-overlap-cost-ignored",
-        file="python/fused_reducer/costmodel.py",
+        file="python/fused_reducer/tuning/costmodel.py",
         edits=[("        return self.free_us + overlap_cost * self.overlapped_us",
                 "        return self.free_us + self.overlapped_us")],
         why="a measured or given overlap cost is read as 'contended': the planner charges "
@@ -559,7 +559,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-auto-no-fallback",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[("        if requested == \"shm\":\n            raise RuntimeError(",
                 "        if True:\n            raise RuntimeError(")],
         why="backend='auto' raises where shared memory cannot be used (ranks on several hosts, a "
@@ -622,7 +622,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-timeout-inf-unclamped",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[("    return min(seconds, MAX_TIMEOUT_S)", "    return seconds")],
         why="timeout=inf or timedelta.max reach the C++ conversion unclamped: the clamp there "
             "keeps the shm and process-group waits right, but FusedReducer reports and stores a "
@@ -631,7 +631,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-parse-outside-rank-error-path",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[("            try:\n                name, chunk = _parse_created(created)\n",
                 "            name, chunk = _parse_created(created)\n            try:\n")],
         why="a malformed segment name from the store raises on that rank outside the per-rank "
@@ -640,7 +640,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-keys-ignore-restart-attempt",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[('    prefix = f"fused_reducer/{token}/{topic}/{key}/{round_}/"',
                 '    prefix = f"fused_reducer/{topic}/{key}/{round_}/"')],
         why="after a torchrun restart the new attempt reads the dead attempt's values from the "
@@ -649,7 +649,7 @@ MUTATIONS = [
     ),
     dict(
         id="shm-sweep-live-segments",
-        file="python/fused_reducer/transport.py",
+        file="python/fused_reducer/transports/transport.py",
         edits=[("            if os.lstat(path).st_uid != os.geteuid() or not _process_exited(int(match.group(2))):",
                 "            if os.lstat(path).st_uid != os.geteuid():")],
         why="the sweep removes segments of live processes too: a job starting on the host "
@@ -684,7 +684,7 @@ MUTATIONS = [
     ),
     dict(
         id="join-forgets-buffer-sync-rule",
-        file="python/fused_reducer/join.py",
+        file="python/fused_reducer/core/join.py",
         edits=[("        model._require_forward_param_sync = should_sync\n",
                 "")],
         why="join with no_sync accumulation: a joined rank forgets whether the others' forward synchronised, so the BatchNorm buffer broadcasts of joined and training ranks differ from DDP's",
@@ -692,7 +692,7 @@ MUTATIONS = [
     ),
     dict(
         id="lightning-timeout-dropped",
-        file="python/fused_reducer/lightning.py",
+        file="python/fused_reducer/integrations/lightning.py",
         edits=[('                reducer_kwargs.setdefault("timeout", timeout)',
                 '                pass')],
         why="FusedReducerStrategy(timeout=...) never reaches the reducer: a dead peer is waited for 10 minutes instead of the user's timeout",
@@ -700,7 +700,7 @@ MUTATIONS = [
     ),
     dict(
         id="profile-stretch-inverted",
-        file="python/fused_reducer/profile.py",
+        file="python/fused_reducer/tuning/profile.py",
         edits=[('stretch = phases["backward_end_us"] / local_backward_us',
                 'stretch = local_backward_us / phases["backward_end_us"]')],
         why="export_profile on the faster rank shrinks its ready times instead of stretching them to the slowest rank: the planner sees a backward shorter than the real step",
@@ -708,7 +708,7 @@ MUTATIONS = [
     ),
     dict(
         id="tree-latency-ceil",
-        file="python/fused_reducer/costmodel.py",
+        file="python/fused_reducer/tuning/costmodel.py",
         edits=[("int(math.log2(nodes))",
                 "math.ceil(math.log2(nodes))")],
         why="the planner's tree latency rounds log2(nodes) up for node counts that are not powers of two: one inter-node hop too many at 3, 5, 6, 7 nodes",
@@ -716,7 +716,7 @@ MUTATIONS = [
     ),
     dict(
         id="comm-hook-list-unwrapped",
-        file="python/fused_reducer/comm_hooks.py",
+        file="python/fused_reducer/core/comm_hooks.py",
         edits=[("        if isinstance(result, (list, tuple)):\n",
                 "        if isinstance(result, (list, tuple)) and len(result) == 1:\n            result = result[0]\n        if isinstance(result, (list, tuple)):\n")],
         why="a comm hook whose future holds a one-element list is silently unwrapped where DDP refuses it: code that works here breaks under DDP",
@@ -852,7 +852,7 @@ MUTATIONS = [
     # -- issue 23: the sharded optimizer --------------------------------------------------------
     dict(
         id="sharded-shard-offset-off-by-one",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("            lo, hi = rank * shard, (rank + 1) * shard",
                 "            lo, hi = rank * shard + 1, (rank + 1) * shard + 1")],
         why="each rank's fragments start one element past its shard: the last element it updates "
@@ -861,7 +861,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-state-not-moved-on-rebuild",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("        if moved is not None:\n            self._distribute(moved)",
                 "        if False:\n            self._distribute(moved)")],
         why="when the buckets are rebuilt (after the first step, a limit change) the optimizer "
@@ -870,7 +870,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-clip-norm-without-the-cross-rank-sum",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("            dist.all_reduce(total, group=self.model.process_group)\n", "")],
         why="clip_grad_norm_ clips by this rank's shard's norm, not the global one: every rank "
             "scales its shard differently",
@@ -878,7 +878,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-all-gather-of-a-stale-bucket",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("            mine = self._by_bucket[b]\n", "            mine = []\n")],
         why="the all-gather sends a parameter buffer this rank never filled with its updated "
             "shard: every rank receives stale (uninitialised) parameters",
@@ -904,7 +904,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-compiled-module-hooks-trusted",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("        self._hooks_traced = _compiled_inside(self.model.module)",
                 "        self._hooks_traced = False")],
         why="FusedReducer(torch.compile(module)) with overlap_param_gather: the module pre-hooks "
@@ -914,7 +914,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-clip-coefficient-not-clamped",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)",
                 "coefficient = max_norm / (total + 1e-6)")],
         why="gradients whose norm is below max_norm are scaled UP to max_norm: small updates "
@@ -923,7 +923,7 @@ MUTATIONS = [
     ),
     dict(
         id="sharded-clip-inf-norm-summed",
-        file="python/fused_reducer/sharded.py",
+        file="python/fused_reducer/sharded/optimizer.py",
         edits=[("dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.model.process_group)",
                 "dist.all_reduce(total, group=self.model.process_group)")],
         why="the inf-norm of the shards is summed over ranks instead of maxed: clip_grad_norm_"

@@ -2,9 +2,9 @@
 what export_profile records across ranks, fused_reducer.elastic's store keys and attribution,
 and the Hugging Face Trainer adapter's checkpoints of a ShardedOptimizer."""
 
-PROFILE = "python/fused_reducer/profile.py"
-ELASTIC = "python/fused_reducer/elastic.py"
-HF = "python/fused_reducer/transformers.py"
+PROFILE = "python/fused_reducer/tuning/profile.py"
+ELASTIC = "python/fused_reducer/transports/elastic.py"
+HF = "python/fused_reducer/integrations/transformers.py"
 PE = "tests/test_profile_export.py::"
 EL = "tests/test_elastic.py::"
 HFT = "tests/test_hf.py::"

@@ -53,7 +53,7 @@ MUTATIONS = [
     ),
     dict(
         id="straggler-warning-after-one-exchange",
-        file="python/fused_reducer/reducer.py",
+        file="python/fused_reducer/core/wrapper.py",
         edits=[("straggler_threshold_ms=None, straggler_warn_steps=20):",
                 "straggler_threshold_ms=None, straggler_warn_steps=10):")],
         why="the warning comes after one late exchange: one noisy window on a loaded host "
@@ -75,7 +75,7 @@ MUTATIONS = [
 MUTATIONS += [
     dict(
         id="straggler-measured-only-when-every-rank-is",
-        file="python/fused_reducer/reducer.py",
+        file="python/fused_reducer/core/wrapper.py",
         edits=[('report["measured"] = any(v is not None for v in report["lateness_ms"])',
                 'report["measured"] = all(v is not None for v in report["lateness_ms"])')],
         why="a report with a joined rank (uneven inputs under join) says nothing was measured, "

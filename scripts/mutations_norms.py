@@ -5,8 +5,8 @@ must be) and the ShardedOptimizer's norm (dtype and value); tests in tests/test_
 """
 
 REDUCER_CPP = "ext/reducer.cpp"
-REDUCER_PY = "python/fused_reducer/reducer.py"
-SHARDED_PY = "python/fused_reducer/sharded.py"
+REDUCER_PY = "python/fused_reducer/core/wrapper.py"
+SHARDED_PY = "python/fused_reducer/sharded/optimizer.py"
 N = "tests/test_grad_norm.py::"
 
 MUTATIONS = [

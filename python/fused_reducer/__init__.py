@@ -3,6 +3,13 @@ bucket cap that stay tunable at runtime.
 
     import fused_reducer
     model = fused_reducer.FusedReducer(model, first_bucket_mb=16)
+
+The layers, each importing only those before it: errors.py and settings.py (the base);
+transports/ (NCCL, gloo or shared memory, store exchanges, restarts); core/ (the module wrapper,
+its validation, join, comm hooks); sharded/ (ShardedOptimizer); tuning/ (cost model, probe,
+profiles, planner, autotuner, trace); integrations/ (Lightning, accelerate, transformers). The
+modules at this level beside them (reducer.py, transport.py, plan.py, ...) are the old import
+paths, kept as aliases of the moved modules.
 """
 import torch
 import torch.distributed  # registers ProcessGroup with pybind11 before _C needs it
@@ -31,9 +38,9 @@ check_torch_version(_BUILD_TORCH, torch.__version__)  # before _C: its load is w
 from . import _C  # noqa: E402
 from .errors import (FusedReducerError, NonFiniteGradientError,  # noqa: E402
                      ShardedGradientError, ShardedOptimizerError)
-from .reducer import FusedReducer  # noqa: E402
-from .sharded import ShardedOptimizer  # noqa: E402
-from .transport import make_transport  # noqa: E402
+from .core.wrapper import FusedReducer  # noqa: E402
+from .sharded.optimizer import ShardedOptimizer  # noqa: E402
+from .transports.transport import make_transport  # noqa: E402
 from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes  # noqa: E402
 
 

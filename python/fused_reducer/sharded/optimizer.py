@@ -67,9 +67,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .errors import ShardedOptimizerError
-from .reducer import FusedReducer
+from .. import _C
+from ..errors import ShardedOptimizerError
+from ..core.wrapper import FusedReducer
 
 # Optimizers whose update of an element depends only on that element's gradient, state and the
 # group's hyperparameters (and a per-parameter step count).

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import transport as _transport
+from ..transports import transport as _transport
 from .costmodel import KiB, MiB
 
 

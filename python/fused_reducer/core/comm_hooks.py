@@ -10,7 +10,7 @@ flows through the same unpack into ``param.grad``. Without a hook nothing here r
 """
 import torch
 
-from .errors import FusedReducerError
+from ..errors import FusedReducerError
 
 
 class GradBucket:

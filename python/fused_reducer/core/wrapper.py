@@ -1,0 +1,1250 @@
+"""FusedReducer: the nn.Module users wrap their model with.
+
+Python does the once-per-construction and once-per-forward work (checks, broadcasts, the safe
+point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
+"""
+import atexit
+import functools
+import logging
+import math
+import os
+import warnings
+import weakref
+import zlib
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.distributed.algorithms.join import Join, Joinable
+
+from .. import _C
+from .comm_hooks import GradBucket, check_hook, run_hook
+from ..transports.elastic import restart_failure
+from ..errors import FusedReducerError, ShardedGradientError, raise_nonfinite
+from .join import FusedReducerJoinHook, common_rank, sync_requested
+from .module_states import reduced_parameters, synced_states
+from ..transports.transport import (backend_of, check_one_rank_per_gpu, group_timeout, make_transport,
+                        resolve_backend, timeout_seconds)
+from ..settings import (bucket_limits, check_bucket_caps, check_bytes, check_reduce_dtype,
+                       megabytes_to_bytes)
+
+_log = logging.getLogger("fused_reducer")
+
+DEBUG_ENV = "FUSED_REDUCER_DEBUG"
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+_MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
+
+
+class _ReleasedGradient(torch.Tensor):
+    """param.grad after a synchronised backward in sharded mode: the parameter's metadata and no
+    storage; every operation on it raises ShardedGradientError naming the parameter (Note
+    [Released gradients] in ext/reducer.cpp)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, param, name):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, strides=param.stride(), storage_offset=param.storage_offset(),
+            dtype=param.dtype, device=param.device, requires_grad=False)
+        self.parameter_name = name
+        return self
+
+    def __repr__(self):
+        return (f"<released gradient of '{self.parameter_name}': averaged only as shards of a "
+                "ShardedOptimizer>")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.parameter_name for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, cls)]
+        raise ShardedGradientError(
+            f"param.grad of '{names[0]}' was used ({func}) after a synchronised backward with a "
+            "ShardedOptimizer: the averaged gradients exist only as shards across the ranks, and "
+            "this rank's local gradient was released. Clip with opt.clip_grad_norm_(max_norm) "
+            "(the global norm, as torch.nn.utils.clip_grad_norm_ under DDP) instead of a torch "
+            "utility over model.parameters(); call opt.step() and opt.zero_grad() before the "
+            "next backward; accumulate micro-batches under model.no_sync().")
+
+
+class FusedReducer(nn.Module, Joinable):
+    """Data-parallel wrapper: after ``loss.backward()`` every ``param.grad`` holds the average over
+    the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
+    and the cap stay tunable while training: set ``first_bucket_bytes`` / ``bucket_cap_bytes`` and
+    the next forward rebuilds the layout, and every later rebuild keeps the value.
+
+    Like every torch.distributed API, construction, the setters and ``rebuild_buckets()`` are
+    collective: call them on every rank (rank 0's values win if they differ). ``backend`` picks
+    how buckets move: "auto" (NCCL for CUDA parameters, but the process group for a model with
+    SyncBatchNorm on an NCCL group, see Note [One NCCL communicator]; for CPU parameters shared
+    memory when every rank is on one host and in one PID namespace, else the process group), "nccl", "shm",
+    "process_group"; the ``backend`` attribute then names the one in use. ``timeout`` bounds
+    every wait on a collective, after which the step raises naming the bucket (None: the process
+    group's timeout, as DDP's collectives).
+
+    ``last_bucket_mb`` (None = off) splits the last gradients of backward into a small bucket of
+    their own (see ``last_bucket_bytes``). ``autotune=True`` starts ``autotune()`` at once: the
+    limits are then measured and chosen while training goes on (docs/TUNING.md).
+    ``reduce_dtype`` (None = each gradient's own dtype; torch.bfloat16, torch.float16 or
+    torch.float32): the dtype the buckets of floating-point gradients are reduced in; settable
+    later as ``model.reduce_dtype`` (docs/REDUCE_DTYPE.md).
+    ``FUSED_REDUCER_DEBUG=1`` logs layout changes, rebuilds and tuning decisions to the
+    ``fused_reducer`` logger.
+
+    As a drop-in for DDP: ``state_dict()`` keys carry DDP's ``module.`` prefix, ``no_sync()``,
+    ``join()`` (uneven inputs) and ``register_comm_hook()`` (DDP's hooks) behave as DDP's, and
+    the bookkeeping in ``forward`` stays out of ``torch.compile``'s graph. Pickling drops the
+    process group and the reducer; the first forward after unpickling attaches them again
+    (collective). See docs/DDP_MIGRATION.md.
+    """
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=None, first_bucket_mb=None,
+                 gradient_as_bucket_view=False, find_unused_parameters=False,
+                 broadcast_buffers=None, backend="auto", timeout=None,
+                 last_bucket_mb=None, autotune=False, static_graph=False, reduce_dtype=None,
+                 device_ids=None, output_device=None, bucket_cap_mb_list=None,
+                 forward_sync_buffers=None, init_sync=True, batched_grad_copy=False,
+                 mixed_precision=None, device_mesh=None, dim=0, check_reduction=False,
+                 skip_all_reduce_unused_params=False, delay_all_reduce_named_params=None,
+                 param_to_hook_all_reduce=None, check_finite=False, straggler_interval=10,
+                 straggler_window=10, straggler_threshold_ms=None, straggler_warn_steps=20):
+        super().__init__()
+        Joinable.__init__(self)
+        _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
+                                          param_to_hook_all_reduce)
+        if check_reduction:
+            warnings.warn("check_reduction is deprecated in DDP and has no effect in "
+                          "FusedReducer either (every step reduces every bucket)", FutureWarning,
+                          stacklevel=2)
+        caps = bucket_limits(bucket_cap_mb, first_bucket_mb, bucket_cap_mb_list)
+        last_bytes = (0 if last_bucket_mb is None or (not isinstance(last_bucket_mb, bool)
+                                                      and last_bucket_mb == 0)
+                      else megabytes_to_bytes("last_bucket_mb", last_bucket_mb))
+        reduce_dtype = check_reduce_dtype(_reduce_dtype_of(mixed_precision, reduce_dtype))
+        self.module = module
+        self.process_group = _resolve_group(_group_of(process_group, device_mesh))
+        self.device_mesh = device_mesh
+        self.dim = dim  # as in DDP with one device per process: kept, not used
+        self.batched_grad_copy = batched_grad_copy  # FusedReducer always copies a bucket at once
+        self.mixed_precision = mixed_precision
+        self.init_sync = init_sync
+        self.forward_sync_buffers, self._init_sync_buffers = _buffer_sync_settings(
+            broadcast_buffers, forward_sync_buffers)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        # Needs find_unused_parameters, as in DDP; see Note [Skipping unused parameters].
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        self._health = _health_settings(check_finite, straggler_interval, straggler_window,
+                                        straggler_threshold_ms, straggler_warn_steps)
+        self.check_finite = self._health["check_finite"]
+
+        named = reduced_parameters(module)
+        if not named:
+            raise FusedReducerError("FusedReducer: the module has no trainable parameters "
+                             "(none with requires_grad=True); there is nothing to reduce")
+        _refuse_sparse_gradients(module)
+        self._param_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named)
+        # Every parameter DDP broadcasts (frozen ones too, not the ignored ones), as DDP checks.
+        devices = {p.device for p in synced_states(module, buffers=False)}
+        if len(devices) != 1:
+            raise FusedReducerError(f"FusedReducer: parameters are spread over devices {sorted(map(str, devices))}; "
+                             "like DDP, each process must hold its replica on one device")
+        self.device = devices.pop()
+        _check_device_ids(device_ids, output_device, self.device)
+        _refuse_sync_batch_norm_on_cpu(module, self.device)
+        # DDP's attributes, as DDP sets them (code written for DDP reads them).
+        gpu_ids = device_ids is not None and self.device.type == "cuda"
+        self.device_ids = [self.device.index] if gpu_ids else None
+        self.output_device = self.device.index if gpu_ids else None
+        self.static_graph = False  # static_graph=True is refused above
+        self._backend_request = backend
+        self.backend = resolve_backend(backend, self.device)  # what _attach tries first
+        # None: the process group's own timeout, read when attaching to a group (_attach).
+        self._timeout_request = timeout
+        if timeout is not None:
+            timeout_seconds(timeout)  # refuse a bad value before any collective
+        self._limits = (caps, last_bytes)  # kept for re-attaching after pickling
+        # DDP's first layout for a bucket_cap_mb_list (see Note [Bucket assignment]).
+        self._ddp_first_layout = bool(bucket_cap_mb_list)
+        self._reduce_dtype = reduce_dtype  # likewise
+        self._syncing = True
+        self._require_forward_param_sync = True  # DDP: buffers sync unless the last forward didn't
+        self._divide_by_initial_world_size = True
+        self._divide_factor = 0
+        self._comm_hook = None  # (state, hook)
+        self._trace_steps = 100  # the C++ reducer's default ring size
+        self._tuner = None
+        self._debug = _debug_enabled()
+        self._rebuilds_seen = 0
+        self._sharded = False  # a ShardedOptimizer uses this model: _use_sharded_optimizer
+        self._attach(params)
+        if autotune:
+            self.autotune()
+
+    def _attach(self, params):
+        """The collective part of construction: check the model across ranks, broadcast rank 0's
+        parameters and buffers, join the transport, build the C++ reducer (hooks installed)."""
+        # Before any collective, so every rank refuses alike: see Note [One NCCL communicator].
+        request = _one_communicator_backend(getattr(self, "_backend_request", self.backend),
+                                            self.device, self.module, self.process_group,
+                                            self._comm_hook is not None)
+        self.backend = resolve_backend(request, self.device)
+        # None: the process group's own timeout, which DDP's collectives wait (the Trainer's
+        # ddp_timeout); inf / timedelta.max: a year, see timeout_seconds. Unpickled from before
+        # the request was kept: the timeout it had.
+        request_timeout = self.__dict__.get("_timeout_request", self.__dict__.get("_timeout_s"))
+        self._timeout_s = timeout_seconds(group_timeout(self.process_group, self.device)
+                                          if request_timeout is None else request_timeout)
+        nccl_group = dist.get_backend(self.process_group) == "nccl"
+        if self.device.type == "cuda" and (nccl_group or self.backend == "nccl"):
+            check_one_rank_per_gpu(self.process_group, self.device)  # before NCCL refuses
+        self._control_device = _control_device(nccl_group, self.device)
+        # Kept with init_sync=False too (DDP skips it): ranks must agree on the bucket layout.
+        try:
+            _verify_same_model(self.process_group, self._param_names, params,
+                               self._control_device)
+        except FusedReducerError:
+            raise
+        except RuntimeError as e:  # the group's first collective: say whose failure it is
+            message = restart_failure(e)
+            if message is None:
+                raise
+            try:
+                explained = type(e)(message)  # the same class (DistError callers keep working)
+            except Exception:  # noqa: BLE001 - a class that takes other arguments
+                explained = RuntimeError(message)
+            raise explained from e
+        if getattr(self, "init_sync", True):
+            # As DDP: broadcast_buffers=False also leaves the buffers alone at construction
+            # (rank-local buffers stay rank-local); forward_sync_buffers does not.
+            self._broadcast(synced_states(self.module, self._init_sync_buffers), 0)
+        # The autotuner's probe times this same transport; join shadows buckets through it.
+        self._transport = make_transport(self.process_group, self.device, request,
+                                         self._timeout_s, check_devices=False)
+        self.backend = backend_of(self._transport)  # 'auto' on CPU may have fallen back
+        caps, last_bytes = self._limits
+        self._reducer = _C.Reducer(
+            params, self._param_names, self.process_group, str(self._control_device),
+            self._transport, bucket_caps_bytes=caps,
+            ddp_first_layout=getattr(self, "_ddp_first_layout", False),
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
+            timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,
+            reduce_dtype=getattr(self, "_reduce_dtype", None),
+            **getattr(self, "_health", {}))
+        self._reducer.set_nonfinite_handler(raise_nonfinite)
+        self._norm_source = None  # how the last grad_norm() was computed: "copy" or "torch"
+        self._params = params  # the reducer's parameter indices
+        self._reducer.set_trace_capacity(self._trace_steps)
+        self._sharded = getattr(self, "_sharded", False)  # unpickled from before it existed
+        if self._sharded:
+            self._enter_sharded_mode()
+        if self._comm_hook is not None:
+            self._reducer.set_comm_hook(_comm_hook_launcher(self))
+        _live_reducers.add(self)
+        if self._debug:
+            self._log_layout("initial layout")
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self):
+        """Remove the gradient hooks and release the communicator: collectives still in flight
+        get until ``timeout`` (at most 10 s), then the communicator is aborted, so a dead peer
+        never makes exit hang. Not collective; idempotent. Runs at interpreter exit and when the
+        model is garbage collected if not called. Raises afterwards if a collective had failed
+        in the background. The model cannot be trained after close()."""
+        self._closed = True
+        reducer, transport = self.__dict__.get("_reducer"), self.__dict__.get("_transport")
+        self._reducer = self._transport = self._tuner = None
+        failure = None
+        if transport is not None:
+            try:
+                transport.check()
+            except RuntimeError as e:
+                failure = e
+        del reducer  # hooks removed, launched collectives waited for (bounded by the timeout)
+        if transport is not None:
+            transport.close(min(self._timeout_s, 10.0))
+        if failure is not None:
+            raise failure
+
+    def __del__(self):
+        try:
+            if self.__dict__.get("_reducer") is not None:
+                self.close()
+        except Exception:  # noqa: BLE001 - never raise from the garbage collector
+            pass
+
+    # -- pickling: like DDP, the process group and the reducer are not part of the pickle ------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state.get("_reducer") is not None:
+            state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
+            state["_reduce_dtype"] = self.reduce_dtype
+        for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
+                          "_sharded_optimizer",
+                          "_closed"):
+            state[transient] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # Attached again (collectively) at the first forward, in the then default group.
+
+    # -- the step ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._pre_forward()
+        if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
+            self._before_sharded_forward(torch.compiler.is_compiling())
+        output = self.module(*args, **kwargs)
+        if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
+            self._finish_param_gather()  # before backward refills the buckets
+        if self.find_unused_parameters and self._require_forward_param_sync:
+            self._hook_outputs(output)
+        return output
+
+    @torch.compiler.disable
+    def _hook_outputs(self, output):
+        """find_unused_parameters: the backward that reaches these outputs is the one whose end
+        decides which parameters were unused, not a nested backward that reentrant checkpointing
+        runs inside it (see Note [End of backward] in ext/reducer.cpp)."""
+        model = weakref.ref(self)
+
+        def reached(grad):
+            reducer = getattr(model(), "_reducer", None)
+            if reducer is not None:
+                reducer.on_outputs_reached()
+
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(reached)
+
+    @torch.compiler.disable
+    def _pre_forward(self):
+        """Once per forward, outside any torch.compile graph: the safe point for rebuilds, the
+        join protocol and the buffer broadcast, in DDP's order."""
+        if self._reducer is None:
+            if self.__dict__.get("_closed"):
+                raise RuntimeError("FusedReducer: this model was closed (close()); wrap the module "
+                                   "in a new FusedReducer to train it again")
+            self._reattach()
+        self._transport.check()  # a collective that failed in the background raises here
+        _refuse_compiled_autograd()
+        grad_sync = torch.is_grad_enabled() and self._syncing
+        if self._join_config.enable:
+            with self._waiting_in_forward():
+                join_work = Join.notify_join_context(self)
+        else:
+            join_work = Join.notify_join_context(self)  # no join context: no collective
+        self._set_divide_factor(join_work)
+        if torch.is_grad_enabled():
+            if self._tuner is not None and self._syncing:
+                self._tuner.on_forward()  # once per step: may set the limits for this step
+            self._reducer.prepare_forward(will_sync=True)
+            if self._debug:
+                self._log_rebuild()
+        if self._will_sync_buffers():
+            with self._waiting_in_forward():
+                self._sync_buffers(joined=False)
+        warning = self._reducer.take_straggler_warning()
+        if warning:
+            _log.warning(warning)
+        if self._join_config.enable:
+            with self._waiting_in_forward():
+                sync_requested(self, joined=False)  # tells joined ranks whether to shadow backward
+        self._require_forward_param_sync = grad_sync
+
+    @contextmanager
+    def _waiting_in_forward(self):
+        """Around one collective of a forward with grad enabled: a rank late before its forward
+        is waited for there, so that wait counts into its straggler slack
+        (Reducer::begin_forward_sync). Not ended if the collective raises."""
+        timed = torch.is_grad_enabled()
+        if timed:
+            self._reducer.begin_forward_sync()
+        yield
+        if timed:
+            self._reducer.end_forward_sync()
+
+    def _will_sync_buffers(self):
+        # DDP's rule: not after a forward that did not synchronise (no_sync, no_grad).
+        # A cheap early exit per forward; _sync_buffers leaves out the ignored ones.
+        return self.forward_sync_buffers and self._require_forward_param_sync and any(
+            True for _ in self.module.buffers())
+
+    def _sync_buffers(self, joined):
+        """Broadcast the buffers (re-read: one may have been reassigned) from rank 0, or under
+        join from the highest rank still training, without bumping their version counters (a
+        second forward before backward must not invalidate what autograd saved)."""
+        source = common_rank(self, not joined) if self._join_config.enable else 0
+        buffers = synced_states(self.module, buffers=True, parameters=False)
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            self._broadcast(buffers, source)
+
+    def _broadcast(self, tensors, source):
+        if tensors and dist.get_world_size(self.process_group) > 1:
+            with torch.no_grad():
+                dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES,
+                                          source)
+
+    def _checked_reducer(self):
+        """The C++ reducer, once a collective that failed in the background (NCCL watchdog) has
+        raised: setters report it like forward does."""
+        reducer = self._live_reducer()
+        self._transport.check()
+        return reducer
+
+    def _live_reducer(self):
+        """The C++ reducer; a closed or unpickled model has none until attached again."""
+        if self._reducer is None:
+            raise RuntimeError("FusedReducer: this model was closed or unpickled; run a forward "
+                               "(after unpickling) or wrap the module again (after close())")
+        return self._reducer
+
+    def _reattach(self):
+        """After unpickling: attach to the default process group again (collective)."""
+        self.process_group = _resolve_group(None)
+        self._attach([p for _, p in reduced_parameters(self.module)])
+
+    # -- uneven inputs (DDP's join) --------------------------------------------------------------
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
+        """Context manager for uneven inputs, as ``DistributedDataParallel.join``: ranks that run
+        out of batches shadow the others' collectives until every rank is done. Composes with
+        other Joinables (e.g. ZeroRedundancyOptimizer) through
+        ``torch.distributed.algorithms.Join([model, optimizer])``."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def _reducer_params(self):
+        """The trainable parameters, in the reducer's index order."""
+        return self._params
+
+    @torch.compiler.disable
+    def _finish_param_gather(self):
+        """A ShardedOptimizer's parameter all-gathers left in flight by step()
+        (overlap_param_gather): finished. See Note [Overlapped parameter all-gather]."""
+        optimizer = self._live_sharded_optimizer()
+        if optimizer is not None and optimizer._gathers:
+            optimizer.finish_param_gather()
+
+    def _live_sharded_optimizer(self):
+        """The ShardedOptimizer of this model, None if there is none (or it was dropped)."""
+        ref = self.__dict__.get("_sharded_optimizer")
+        return ref() if ref is not None else None
+
+    @torch.compiler.disable
+    def _before_sharded_forward(self, traced):
+        """Before a sharded forward's module runs: when this forward records a graph, the
+        released-gradient placeholders are cleared, so that neither the forward nor autograd's
+        accumulation ever sees one (Note [Released gradients] in ext/reducer.cpp); `traced`:
+        this forward is being compiled (Note [Overlapped parameter all-gather])."""
+        if torch.is_grad_enabled():
+            self._reducer.clear_released_gradients()
+        optimizer = self._live_sharded_optimizer()
+        if optimizer is not None:
+            optimizer.finish_before_forward(traced)
+
+    def state_dict(self, *args, **kwargs):
+        self._finish_param_gather()
+        return super().state_dict(*args, **kwargs)
+
+    def _use_sharded_optimizer(self, optimizer):
+        """A ShardedOptimizer was constructed for this model: reduce-scatter from the next forward
+        on (Note [Sharded mode] in ext/reducer.cpp). Collective in effect: every rank constructs
+        it."""
+        if self._tuner is not None and self._tuner.state != "done":
+            raise FusedReducerError(
+                "ShardedOptimizer: autotune is still measuring with all-reduce; construct the "
+                "ShardedOptimizer before starting it (FusedReducer(..., autotune=False), then "
+                "model.autotune() after the ShardedOptimizer), or let it finish "
+                "(autotune_report()['done'])")
+        self._enter_sharded_mode()
+        self._sharded = True
+        self._sharded_optimizer = weakref.ref(optimizer)
+
+    def _enter_sharded_mode(self):
+        self._reducer.set_sharded(True)  # raises naming what it cannot combine with
+        self._reducer.set_released_gradients(
+            [_ReleasedGradient(p, name) for p, name in zip(self._params, self._param_names)])
+
+    def join_hook(self, **kwargs):
+        if getattr(self, "_sharded", False):
+            raise FusedReducerError(
+                "FusedReducer.join: uneven inputs are not supported with a ShardedOptimizer yet "
+                "(a joined rank would have to shadow reduce-scatters and all-gathers); give every "
+                "rank the same number of batches, or use a plain optimizer")
+        if self._tuner is not None and self._tuner.state != "done":
+            raise FusedReducerError(
+                "FusedReducer.join: autotune is still measuring; its per-step collectives cannot "
+                "be shadowed by joined ranks. Let it finish (autotune_report()['done']) or "
+                "construct without autotune for uneven inputs.")
+        return FusedReducerJoinHook(
+            self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self._control_device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _set_divide_factor(self, join_work):
+        """Under join gradients are divided by an explicit count: the world size, or the ranks
+        still training (divide_by_initial_world_size=False), read from the join notification."""
+        if join_work is None:
+            factor = 0
+        elif self._divide_by_initial_world_size:
+            factor = dist.get_world_size(self.process_group)
+        else:
+            factor = int(join_work.get_future().wait()[0].item())
+        if factor != self._divide_factor:
+            self._reducer.set_divide_factor(factor)
+            self._divide_factor = factor
+
+    # -- DDP communication hooks -----------------------------------------------------------------
+    def register_comm_hook(self, state, hook):
+        """Reduce every bucket with a DDP communication hook ``hook(state, bucket) -> Future``
+        (e.g. from torch.distributed.algorithms.ddp_comm_hooks) instead of the built-in
+        all-reduce. As in DDP it can be registered once, on every rank; the bucket a hook sees is
+        a GradBucket (index(), buffer(), gradients(), parameters(), is_last(), set_buffer()).
+        With a reduce_dtype the bucket (buffer and gradients) holds that dtype; the hook's result
+        is cast back into param.grad in the gradient's dtype.
+
+        Over an NCCL process group the model must reduce through that group
+        (``backend="process_group"``, DDP's arrangement: one communicator): with FusedReducer's
+        own NCCL communicator in use (``backend="nccl"``, which "auto" picks on CUDA) this raises
+        FusedReducerError naming the fix. See Note [One NCCL communicator]."""
+        check_hook(hook)
+        if getattr(self, "_sharded", False):
+            raise FusedReducerError(
+                f"FusedReducer: cannot register communication hook {_name_of(hook)}: a "
+                "ShardedOptimizer reduce-scatters this model's buckets, and a hook replaces the "
+                "all-reduce; use one or the other")
+        if self._comm_hook is not None:
+            raise FusedReducerError(
+                "FusedReducer: register_comm_hook can only be called once (as in DDP); "
+                f"a hook ({_name_of(self._comm_hook[1])}) is already registered")
+        if self.backend == "nccl" and _runs_nccl(self.process_group):
+            chosen = (" (chosen by backend='auto')"
+                      if getattr(self, "_backend_request", "nccl") == "auto" else "")
+            raise FusedReducerError(
+                f"FusedReducer: cannot register communication hook {_name_of(hook)}: this model "
+                f"reduces its buckets over FusedReducer's own NCCL communicator "
+                f"(backend='nccl'{chosen}), while the hook's collectives run on the process "
+                "group's NCCL communicator, and the reducer's communicator still runs "
+                "collectives of its own (the used-parameter map of find_unused_parameters, "
+                "join, autotune's probe). NCCL collectives on two communicators of one device "
+                "can deadlock; DDP runs its hooks on its one communicator. Fix: construct the "
+                "model with backend='process_group' (FusedReducer(module, "
+                "backend='process_group', ...), or FusedReducerStrategy(backend="
+                "'process_group') under Lightning), then register the hook: everything then "
+                "runs on the process group's communicator, as under DDP.")
+        self._comm_hook = (state, hook)
+        self._reducer.set_comm_hook(_comm_hook_launcher(self))
+
+    def _run_comm_hook(self, index, is_last, flat, views, params):
+        state, hook = self._comm_hook
+        named = dict(self.module.named_parameters())
+        bucket = GradBucket(index, is_last, flat, views,
+                            [named[self._param_names[i]] for i in params])
+        return run_hook(state, hook, bucket)
+
+    def prepare_for_backward(self):
+        """Arm the reduction for one more backward of the same forward's graph (DDP's
+        ``reducer.prepare_for_backward``): manual optimization with several backward passes per
+        training step, e.g. Lightning's ``manual_backward``. Collective like forward."""
+        if torch.is_grad_enabled() and self._syncing:
+            self._reducer.prepare_forward(will_sync=True)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside accumulate into param.grad without
+        communication; the next synchronised backward reduces the accumulated sum. Nests like
+        DDP's: on exit (also when the body raises) the previous setting is restored."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @property
+    def require_backward_grad_sync(self):
+        """DDP's flag, which no_sync() sets: False keeps the backward passes of forwards run
+        meanwhile local (accumulated into param.grad); loops and libraries that accumulate
+        gradients set it directly, as on DDP."""
+        return self._syncing
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value):
+        self._syncing = bool(value)
+        if self.__dict__.get("_reducer") is not None:
+            self._reducer.set_sync_enabled(self._syncing)
+
+    @property
+    def require_forward_param_sync(self):
+        """DDP's flag: whether the last forward synchronised (buffers are broadcast before the
+        next forward only then)."""
+        return self._require_forward_param_sync
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value):
+        self._require_forward_param_sync = bool(value)
+
+    @property
+    def bucket_bytes_cap(self):
+        """DDP's name of bucket_cap_bytes (here settable while training: a rebuild applies it)."""
+        return self.bucket_cap_bytes
+
+    @bucket_bytes_cap.setter
+    def bucket_bytes_cap(self, nbytes):
+        self.bucket_cap_bytes = nbytes
+
+    # -- knobs ---------------------------------------------------------------------------------
+    @property
+    def broadcast_buffers(self):
+        """DDP's deprecated name of forward_sync_buffers (as DDP, reading and setting it)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
+
+    @property
+    def bucket_caps_bytes(self):
+        """Size limits of each (dtype, device) group's buckets in launch order, the last one
+        repeating for every later bucket: DDP's ``bucket_cap_mb_list``, in bytes, changeable
+        while training. ``first_bucket_bytes`` is its first entry, ``bucket_cap_bytes`` its
+        last. Setting it (a non-empty list of ints > 0) rebuilds at the next forward, and
+        every later rebuild keeps it, like the other limits."""
+        return list(self._live_reducer().bucket_caps_bytes)
+
+    @bucket_caps_bytes.setter
+    def bucket_caps_bytes(self, caps):
+        self._checked_reducer().bucket_caps_bytes = check_bucket_caps(caps)
+
+    @property
+    def first_bucket_bytes(self):
+        """Size limit of the first bucket to launch. Setting it rebuilds the layout at the next
+        forward from the last observed gradient order; the value persists across rebuilds."""
+        return self._live_reducer().first_bucket_bytes
+
+    @first_bucket_bytes.setter
+    def first_bucket_bytes(self, nbytes):
+        self._checked_reducer().first_bucket_bytes = check_bytes("first_bucket_bytes", nbytes)
+
+    @property
+    def bucket_cap_bytes(self):
+        """Size limit of every bucket after the first; same rules as first_bucket_bytes."""
+        return self._live_reducer().bucket_cap_bytes
+
+    @bucket_cap_bytes.setter
+    def bucket_cap_bytes(self, nbytes):
+        self._checked_reducer().bucket_cap_bytes = check_bytes("bucket_cap_bytes", nbytes)
+
+    @property
+    def last_bucket_bytes(self):
+        """Size of a separate last bucket (0 = none): the last gradients of backward, at least
+        this many bytes, reduced on their own so the reduction left after backward is short.
+        Same rules as first_bucket_bytes; 0 or None turns it off."""
+        return self._live_reducer().last_bucket_bytes
+
+    @last_bucket_bytes.setter
+    def last_bucket_bytes(self, nbytes):
+        if nbytes is None or (isinstance(nbytes, int) and not isinstance(nbytes, bool)
+                              and nbytes == 0):
+            nbytes = 0
+        elif isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes < 0:
+            raise ValueError(f"last_bucket_bytes must be 0 or None (off) or a positive number of "
+                             f"bytes, got {nbytes}")
+        else:
+            nbytes = check_bytes("last_bucket_bytes", nbytes)
+        self._checked_reducer().last_bucket_bytes = nbytes
+
+    @property
+    def reduce_dtype(self):
+        """dtype of the buckets of floating-point gradients (None: each gradient's own). Setting
+        it (torch.bfloat16, torch.float16, torch.float32 or None) follows first_bucket_bytes'
+        rules: collective, applied by a rebuild at the next forward, kept by later rebuilds,
+        rank 0's value wins. Gradients are scaled, cast into the bucket, reduced, and cast back
+        into param.grad in their own dtype; bucket limits count bytes of this dtype.
+        See docs/REDUCE_DTYPE.md."""
+        return self._live_reducer().reduce_dtype
+
+    @reduce_dtype.setter
+    def reduce_dtype(self, dtype):
+        dtype = check_reduce_dtype(dtype)
+        _check_bucket_view_dtypes(
+            self.gradient_as_bucket_view, dtype,
+            reduced_parameters(self.module))
+        self._checked_reducer().reduce_dtype = dtype
+        self._reduce_dtype = dtype
+
+    def rebuild_buckets(self):
+        """Rebuild the layout at the next forward from the last observed gradient-ready order."""
+        self._live_reducer().request_rebuild()
+
+    # -- autotune ------------------------------------------------------------------------------
+    def autotune(self, **options):
+        """Start tuning first_bucket_bytes, bucket_cap_bytes and last_bucket_bytes from measured
+        steps while training goes on (collective: call on every rank). Gradients stay exact: a
+        new layout only takes effect at a forward. When done, the choice is the value of the
+        properties. Options: see fused_reducer.autotune.Autotuner."""
+        from ..tuning.autotune import Autotuner
+        from ..transports.transport import control_allreduce
+        self._checked_reducer()
+        try:
+            tuner, refused = Autotuner(self, **options), None
+        except (ValueError, TypeError, OSError) as e:
+            tuner, refused = None, e
+        # Every rank agrees before any goes on: a planner_hint file missing on some rank only
+        # must not leave the others tuning alone (their collectives would wait for it).
+        ok, = control_allreduce([0.0 if refused else 1.0], dist.ReduceOp.MIN,
+                                self.process_group, self._control_device)
+        if refused is not None:
+            raise refused
+        if not ok:
+            raise FusedReducerError("FusedReducer.autotune: another rank refused these options "
+                                    "(its error says why, e.g. a planner_hint file it cannot "
+                                    "read); tuning was not started on any rank")
+        if self._tuner is not None:
+            self._tuner.abandon()  # a restart starts from the user's limits, not a trial's
+        self._tuner = tuner
+
+    def autotune_report(self):
+        """{done, trials: [{first_bucket_bytes, bucket_cap_bytes, last_bucket_bytes, step_ms,
+        ...}], choice: {...} or None, ...}; see docs/TUNING.md."""
+        if self._tuner is None:
+            return {"done": False, "state": "not started", "trials": [], "choice": None}
+        return self._tuner.report()
+
+    # -- training health -------------------------------------------------------------------------
+    def straggler_report(self):
+        """Which ranks are late, from each rank's slack: how long it waited for the others in
+        the step's collectives, its last bucket's and its forward's (Note [Lateness from slack]
+        in ext/training_health.cpp), exchanged every `straggler_interval` steps (every step
+        with check_finite): lateness_ms (per rank: how long after the earliest rank it reached
+        them, median of its last `straggler_window` steps; None: not measured), slack_ms (per
+        rank: that wait, the same median),
+        slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
+        rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
+        (straggler_threshold_ms, or automatic: 10 % of median_step_ms, and at least half of
+        jitter_ms, the ranks' median step-to-step scatter of their slack: Note [A straggler
+        is late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
+        step (of the last exchange, 0: none yet), interval, window, measured (whether any
+        rank's lateness is known yet).
+        On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
+        the compute stream, once the device has finished them (Note [Lateness from slack on
+        the GPU] in ext/reducer.cpp). The same on every rank; local, no collective."""
+        report = dict(self._checked_reducer().straggler_report())
+        for key in ("lateness_ms", "slack_ms"):
+            report[key] = [None if math.isnan(v) else v for v in report[key]]
+        report["measured"] = any(v is not None for v in report["lateness_ms"])
+        return report
+
+    def grad_norm(self, norm_type=2.0):
+        """The global norm of the averaged gradients: what
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type) computes, read
+        for norm_type 1, 2 and inf from what the unpack into param.grad accumulated (Note
+        [Statistics from the copy] in ext/bucket_copy.h): no pass over the gradients. If
+        param.grad changed since that backward wrote it (clipped, unscaled, accumulated, or set
+        by hand), or for another norm_type, it is computed by torch from param.grad; so is it
+        before the first backward after the model's first grad_norm() call (from then on each
+        backward keeps three elements of each gradient to see changes the version counter
+        misses). With a ShardedOptimizer: its norm over the shards (collective: call on every
+        rank)."""
+        norm_type = float(norm_type)
+        if self._sharded:
+            return self._sharded_optimizer_for("grad_norm").grad_norm(norm_type)
+        # Asked first, even with no gradients yet: from then on each backward keeps the probes
+        # that tell an unchanged param.grad (Reducer::copy_norms), so that call itself is
+        # torch's computation.
+        from_copy = self._norm_from_copy(norm_type)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        # The copy saw only the reduced parameters' gradients: a frozen or ignored parameter
+        # that holds a .grad counts in torch's norm over model.parameters() too.
+        total = from_copy if len(grads) == self._reduced_grads() else None
+        self._norm_source = "copy" if total is not None else "torch"
+        if total is None:
+            return torch.nn.utils.get_total_norm(grads, norm_type)
+        # torch's norm has the gradients' widest real dtype (a complex gradient's norm is real).
+        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
+        return total.to(device=grads[0].device, dtype=dtype)
+
+    def _reduced_grads(self):
+        return sum(p.grad is not None for p in self._params)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) with the norm from
+        grad_norm() (no pass over the gradients to measure them; one to scale them, torch's
+        clip_grads_with_norm_, as torch does). Returns the total norm. With a
+        ShardedOptimizer: its clip_grad_norm_ (collective)."""
+        if self._sharded:
+            return self._sharded_optimizer_for("clip_grad_norm_").clip_grad_norm_(
+                max_norm, norm_type, error_if_nonfinite)
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"FusedReducer.clip_grad_norm_: the total norm of order {float(norm_type)} of the "
+                "gradients is non-finite, so it cannot be clipped. To disable this error and "
+                "scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False")
+        grads = [p for p in self.module.parameters() if p.grad is not None]
+        if grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+        return total
+
+    def _norm_from_copy(self, norm_type):
+        norms = None if self._reducer is None else self._reducer.copy_norms()
+        if norms is None or norm_type not in (1.0, 2.0, math.inf):
+            return None
+        sum_sq, sum_abs, max_abs = norms.tolist()
+        if not math.isfinite(sum_abs):
+            return None  # a NaN/Inf (or a CUDA float sum past its range): torch's norm says which
+        if norm_type == 2.0:
+            return torch.tensor(math.sqrt(sum_sq), dtype=torch.float64)
+        if norm_type == 1.0:
+            return torch.tensor(sum_abs, dtype=torch.float64)
+        return torch.tensor(max_abs, dtype=torch.float64)
+
+    def _sharded_optimizer_for(self, what):
+        optimizer = self._live_sharded_optimizer()
+        if optimizer is None:
+            raise FusedReducerError(
+                f"FusedReducer.{what}: this model is in sharded mode but its ShardedOptimizer "
+                "is gone; the averaged gradients exist only as its shards")
+        return optimizer
+
+    # -- introspection -------------------------------------------------------------------------
+    def bucket_sizes(self):
+        """Bytes per bucket of the layout in force, in launch order."""
+        return list(self._live_reducer().bucket_sizes())
+
+    def bucket_parameter_names(self):
+        """Parameter names per bucket of the layout in force, in launch order."""
+        return [[self._param_names[i] for i in bucket] for bucket in self._live_reducer().bucket_params()]
+
+    def stats(self):
+        """step; allreduces and allreduce_bytes: the gradients' collectives of the last
+        completed step (one per bucket, plus the used map's with find_unused_parameters, as
+        DDP); health_exchanges and health_exchange_bytes: that step's check_finite / straggler
+        exchange, counted apart (every step with check_finite, else every straggler_interval
+        steps); rebuilds, limits, reduce_dtype (of the layout in force: str(torch.dtype) or None);
+        telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
+        ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
+        first gradient), overlap, exposed_wait_us, backward_end_us."""
+        return dict(self._live_reducer().stats())
+
+    def step_history(self):
+        """Telemetry of the last steps kept (at most trace_steps), oldest first: one dict per
+        step like stats()'s telemetry, with the limits in force and per-bucket records."""
+        return list(self._live_reducer().history())
+
+    @property
+    def trace_steps(self):
+        """How many steps of telemetry are kept for step_history() and export_trace()."""
+        return self._trace_steps
+
+    @trace_steps.setter
+    def trace_steps(self, steps):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError(f"trace_steps must be a positive int, got {steps!r}")
+        self._trace_steps = steps
+        if self._reducer is not None:
+            self._reducer.set_trace_capacity(steps)
+
+    def export_trace(self, path, steps=None):
+        """Write the telemetry of the last `steps` steps (default all kept) as a Chrome trace
+        (JSON, opens in Perfetto / chrome://tracing): a row for the step, one for backward and
+        the end-of-backward wait, one per bucket (fill, copy, all-reduce, exposed wait). `path`
+        may contain "{rank}". Returns the path written."""
+        from ..tuning.trace import write_chrome_trace
+        history = self.step_history()
+        if steps is not None:
+            history = history[-int(steps):] if int(steps) > 0 else []
+        rank = dist.get_rank(self.process_group)
+        path = str(path).format(rank=rank)
+        write_chrome_trace(path, history, rank=rank,
+                           meta={"transport": self._reducer.stats()["transport"],
+                                 "world_size": dist.get_world_size(self.process_group)})
+        return path
+
+    def export_profile(self, path):
+        """Write this run's profile (JSON, versioned) for `python -m fused_reducer.plan`:
+        per-parameter bytes and median ready times, step phases, limits, probed transport,
+        machine (docs/PLANNING.md). Collective: call on every rank after >= 2 steps; rank 0
+        writes `path` (every rank with "{rank}" in it). Returns the path written or None."""
+        from ..tuning.profile import export_profile
+        self._checked_reducer()
+        return export_profile(self, path)
+
+    # -- debug logging (FUSED_REDUCER_DEBUG=1) ---------------------------------------------------
+    def _log_layout(self, what):
+        sizes = self.bucket_sizes()
+        _log.debug("rank %d: %s: first_bucket_bytes=%d bucket_cap_bytes=%d last_bucket_bytes=%d; "
+                   "%d buckets (MiB, launch order) %s", dist.get_rank(self.process_group), what,
+                   self.first_bucket_bytes, self.bucket_cap_bytes, self.last_bucket_bytes,
+                   len(sizes), [round(b / 2**20, 3) for b in sizes])
+
+    def _log_rebuild(self):
+        rebuilds = self._reducer.stats()["rebuilds"]
+        if rebuilds != self._rebuilds_seen:
+            self._rebuilds_seen = rebuilds
+            self._log_layout(f"layout rebuilt (rebuild {rebuilds})")
+
+
+def _health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
+                     straggler_warn_steps):
+    """The C++ reducer's health options, checked (see ext/training_health.h)."""
+    if not isinstance(check_finite, bool):
+        raise FusedReducerError(f"FusedReducer: check_finite must be True or False, got "
+                                f"{check_finite!r}")
+    for name, value, low in (("straggler_interval", straggler_interval, 0),
+                             ("straggler_window", straggler_window, 1),
+                             ("straggler_warn_steps", straggler_warn_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**62:
+            raise FusedReducerError(f"FusedReducer: {name} must be an int >= {low} (steps, below "
+                                    f"2**62), got {value!r}")
+    threshold = straggler_threshold_ms
+    if threshold is None:
+        threshold = 0.0  # automatic
+    elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not threshold > 0:
+        raise FusedReducerError(f"FusedReducer: straggler_threshold_ms must be a positive number "
+                                f"of milliseconds, or None (automatic), got {threshold!r}")
+    return {"check_finite": check_finite, "straggler_interval": straggler_interval,
+            "straggler_window": straggler_window, "straggler_threshold_ms": float(threshold),
+            "straggler_warn_steps": straggler_warn_steps}
+
+
+def _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):
+    """gradient_as_bucket_view makes param.grad a view of its bucket slot: impossible when the
+    bucket holds another dtype than the gradient (see Note [Reduce dtype])."""
+    if not gradient_as_bucket_view or reduce_dtype is None:
+        return
+    for name, p in named:
+        if p.is_floating_point() and p.dtype != reduce_dtype:
+            raise FusedReducerError(
+                f"FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own "
+                f"dtype, but reduce_dtype={reduce_dtype} differs from the dtype of parameter "
+                f"'{name}' ({p.dtype}): a {p.dtype} gradient cannot be a view of a "
+                f"{reduce_dtype} bucket. Use gradient_as_bucket_view=False, or reduce_dtype=None "
+                f"or {p.dtype}.")
+
+
+def _debug_enabled():
+    """FUSED_REDUCER_DEBUG=1: debug records of the 'fused_reducer' logger are shown on stderr
+    (a handler is added unless the application configured one)."""
+    if os.environ.get(DEBUG_ENV, "").strip() in ("", "0"):
+        return False
+    if _log.level == logging.NOTSET or _log.level > logging.DEBUG:
+        _log.setLevel(logging.DEBUG)
+    if not _log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[fused_reducer %(levelname)s] %(message)s"))
+        _log.addHandler(handler)
+    return True
+
+
+_live_reducers = weakref.WeakSet()
+
+
+# Seconds the exit handler waits for the backend threads to let go of the reducer's collectives.
+EXIT_SETTLE_S = 2.0
+
+
+@atexit.register
+def _close_live_reducers():
+    """At interpreter exit, before Python finalises: release every communicator still open
+    (bounded: see close()), then wait for the process group's threads to let go of the
+    collectives the reducer launched, so that none of them is destroyed on such a thread while
+    Python shuts down (an abort at exit; Note [Releasing process-group work], Note [Process
+    life] in ext/transport.h)."""
+    for model in list(_live_reducers):
+        try:
+            model.close()
+        except Exception:  # noqa: BLE001 - exit must go on
+            pass
+    _C.settle_released_works(EXIT_SETTLE_S)
+
+
+def _comm_hook_launcher(model):
+    """What the C++ reducer calls when a bucket is complete and a hook is registered. It holds
+    the model weakly: the reducer (owned by the model) must not keep the model alive."""
+    ref = weakref.ref(model)
+
+    def launch(index, is_last, flat, views, params):
+        return ref()._run_comm_hook(index, is_last, flat, views, params)
+
+    return launch
+
+
+def _name_of(hook):
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
+def _refuse_compiled_autograd():
+    """FusedReducer's gradient hooks are C++ post-hooks on the gradient accumulators, which
+    compiled autograd does not run: refuse at once rather than skip the reduction."""
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # pragma: no cover - older torch
+        return
+    enabled = (getattr(compiled_autograd, "compiled_autograd_enabled", False)
+               or getattr(torch._dynamo.config, "compiled_autograd", False))
+    if enabled:
+        raise FusedReducerError(
+            "FusedReducer: compiled autograd (torch._dynamo.config.compiled_autograd or "
+            "torch._dynamo.compiled_autograd.enable) is not supported: FusedReducer reduces "
+            "gradients from C++ hooks on the parameters' gradient accumulators, which compiled "
+            "autograd does not call. Keep compiled autograd off; torch.compile of the model or of "
+            "FusedReducer itself is supported.")
+
+
+def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
+                                      param_to_hook_all_reduce):
+    """DDP constructor arguments FusedReducer does not implement: a FusedReducerError naming
+    the argument and what to use instead (never silently ignored)."""
+    if static_graph:
+        raise FusedReducerError(
+            "FusedReducer: static_graph=True is not supported. It is not needed for "
+            "reentrant activation checkpointing, which FusedReducer handles without it; for "
+            "parameters unused in forward, pass find_unused_parameters=True instead.")
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise FusedReducerError(
+            "FusedReducer: delay_all_reduce_named_params / param_to_hook_all_reduce are not "
+            "supported. To reduce some gradients late in one collective, give them a bucket of "
+            "their own: last_bucket_mb=... (the last gradients of backward) or "
+            "bucket_cap_mb_list=[...].")
+
+
+def _reduce_dtype_of(mixed_precision, reduce_dtype):
+    """DDP's mixed_precision=_MixedPrecision(reduce_dtype=...) is FusedReducer's reduce_dtype;
+    its param_dtype and buffer_dtype are refused (use torch.autocast)."""
+    if mixed_precision is None:
+        return reduce_dtype
+    for field in ("param_dtype", "buffer_dtype"):
+        if getattr(mixed_precision, field, None) is not None:
+            raise FusedReducerError(
+                f"FusedReducer: mixed_precision.{field}={getattr(mixed_precision, field)} is not "
+                "supported (FusedReducer does not keep low-precision copies of the parameters or "
+                "buffers). Compute in low precision with torch.autocast; "
+                "mixed_precision=_MixedPrecision(reduce_dtype=...) or reduce_dtype=... sets the "
+                "dtype gradients are reduced in.")
+    wanted = getattr(mixed_precision, "reduce_dtype", None)
+    if reduce_dtype is not None and wanted is not None and reduce_dtype != wanted:
+        raise FusedReducerError(
+            f"FusedReducer: reduce_dtype={reduce_dtype} and mixed_precision.reduce_dtype="
+            f"{wanted} disagree; pass one of them")
+    return wanted if wanted is not None else reduce_dtype
+
+
+def _buffer_sync_settings(broadcast_buffers, forward_sync_buffers):
+    """(sync buffers before forwards, sync buffers at construction), combined as DDP combines
+    its deprecated broadcast_buffers with forward_sync_buffers, with DDP's warnings."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                          "`broadcast_buffers` is deprecated and its value is ignored when "
+                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("`broadcast_buffers` is deprecated (as in DDP). Use "
+                          "`forward_sync_buffers` instead; unlike `broadcast_buffers=False`, "
+                          "`forward_sync_buffers=False` still broadcasts the buffers at "
+                          "construction.", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
+
+
+def _group_of(process_group, device_mesh):
+    """The process group of a 1-D device_mesh (as DDP), or process_group."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise FusedReducerError("FusedReducer: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise FusedReducerError(
+            f"FusedReducer: only a 1-D device_mesh is supported (as DDP), got one with "
+            f"{device_mesh.ndim} dimensions; pass the data-parallel dimension, e.g. "
+            f"mesh['dp']")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _resolve_group(process_group):
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "FusedReducer needs an initialised process group: call "
+            "torch.distributed.init_process_group(backend=...) first (torchrun provides the "
+            "rendezvous environment), or pass process_group=")
+    return dist.group.WORLD
+
+
+# Note [One NCCL communicator]
+# NCCL documents that collectives running concurrently on two communicators of the same devices
+# can deadlock (each may grab the GPU's resources the other needs). FusedReducer's own NCCL
+# communicator (backend="nccl") is therefore only used where nothing else of the step issues
+# collectives on another NCCL communicator of this device while backward runs:
+# * SyncBatchNorm all-reduces its statistics during forward and backward on its process group,
+#   concurrently with the bucket all-reduces. Under backend="auto" a model containing a
+#   torch.nn.SyncBatchNorm whose group runs NCCL reduces buckets through the process group
+#   instead (DDP's arrangement: one communicator; model.backend says "process_group"); an
+#   explicit backend="nccl" raises at construction naming the module and the fix.
+# * A communication hook issues its collectives on the process group, while the reducer's own
+#   communicator still runs collectives (find_unused_parameters's used map, join, autotune's
+#   probe). Hooks are registered after construction, when the transport is already chosen, so
+#   with the NCCL transport over an NCCL group register_comm_hook raises naming the fix
+#   (backend="process_group"). After unpickling, a model with a hook re-attaches to the
+#   process group transport under "auto" like a SyncBatchNorm model.
+# The library's own control collectives on the process group (layout and buffer broadcasts, the
+# checks) never overlap the buckets: see "Two communicators" in ext/nccl_transport.h.
+
+
+def _runs_nccl(group):
+    """Whether `group` (None: the default group) moves CUDA tensors with NCCL."""
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError, AttributeError):  # not initialised, or a stand-in group
+        return False
+
+
+def _sync_batchnorms_on_nccl(module):
+    """Qualified names of the torch.nn.SyncBatchNorm modules whose process group (their own, or
+    the default one) runs NCCL: each all-reduces on that group's communicator in backward."""
+    return [name or "(the wrapped module itself)" for name, m in module.named_modules()
+            if isinstance(m, nn.SyncBatchNorm) and _runs_nccl(m.process_group)]
+
+
+def _one_communicator_backend(request, device, module, group, has_hook=False):
+    """The backend to construct the transport with, given the user's `request`: never the
+    reducer's own NCCL communicator next to another NCCL communicator (Note [One NCCL
+    communicator]). 'auto' becomes 'process_group' then; an explicit 'nccl' raises."""
+    if resolve_backend(request, device) != "nccl":
+        return request
+    sync_bns = _sync_batchnorms_on_nccl(module)
+    hook = has_hook and _runs_nccl(group)
+    if not sync_bns and not hook:
+        return request
+    if request == "auto":
+        return "process_group"
+    if sync_bns:
+        more = f" (and {len(sync_bns) - 1} more)" if len(sync_bns) > 1 else ""
+        raise FusedReducerError(
+            f"FusedReducer: backend='nccl' cannot be used with torch.nn.SyncBatchNorm "
+            f"'{sync_bns[0]}'{more}: SyncBatchNorm all-reduces its statistics in backward on "
+            "the process group's NCCL communicator while the buckets would go over "
+            "FusedReducer's own NCCL communicator, and NCCL collectives on two communicators of "
+            "one device can deadlock (DDP uses one communicator). Use backend='process_group' "
+            "or backend='auto' (which picks the process group for a model with SyncBatchNorm).")
+    raise FusedReducerError(
+        "FusedReducer: backend='nccl' cannot be used with a registered communication hook: the "
+        "hook's collectives run on the process group's NCCL communicator, and NCCL collectives "
+        "on two communicators of one device can deadlock (DDP uses one communicator). Use "
+        "backend='process_group' or backend='auto'.")
+
+
+def _control_device(nccl_group, device):
+    """Where the library's own small control tensors live: the parameters' GPU for an NCCL
+    group (it only moves CUDA tensors, and never another rank's GPU), else the CPU."""
+    if not nccl_group:
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise FusedReducerError(
+            f"FusedReducer: the process group uses NCCL but the parameters are on {device}; move "
+            "the model to this rank's GPU first (torch.cuda.set_device(local_rank); "
+            "model.to(f'cuda:{local_rank}')), or use a gloo process group for CPU training")
+    return device
+
+
+def _check_device_ids(device_ids, output_device, device):
+    """DDP's `device_ids` / `output_device`, accepted so that switching is a one-line change.
+    The device is always the parameters'; these may only confirm it (as in DDP: None for a CPU
+    module, [the module's GPU] for a single-GPU one). Outputs stay where the module puts them."""
+    def as_device(value):
+        return torch.device(device.type, value) if isinstance(value, int) else torch.device(value)
+
+    if device_ids is not None:
+        ids = list(device_ids) if isinstance(device_ids, (list, tuple)) else [device_ids]
+        if device.type == "cpu" or len(ids) != 1 or as_device(ids[0]) != device:
+            raise FusedReducerError(
+                f"FusedReducer: device_ids={device_ids!r} does not match the module, whose "
+                f"parameters are on {device}. Like DDP, pass device_ids=None for a CPU module and "
+                f"[{device.index if device.index is not None else 'local_rank'}] for a module on "
+                "one GPU, or leave it out: FusedReducer uses the parameters' device.")
+    if output_device is not None and as_device(output_device) != device:
+        raise FusedReducerError(
+            f"FusedReducer: output_device={output_device!r} differs from the parameters' device "
+            f"{device}; FusedReducer leaves outputs where the module puts them. Leave it out.")
+
+
+def _refuse_sync_batch_norm_on_cpu(module, device):
+    if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise ValueError("FusedReducer: SyncBatchNorm layers only work with GPU modules (as in "
+                         "DDP); use torch.nn.BatchNorm for a CPU model, or move it to a GPU")
+
+
+def _refuse_sparse_gradients(module):
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True:
+            raise FusedReducerError(
+                f"FusedReducer: module '{name}' ({type(sub).__name__}) has sparse=True and would "
+                "produce sparse gradients, which FusedReducer does not reduce; construct it with "
+                "sparse=False (dense gradients) or keep it outside FusedReducer")
+
+
+def _shape_signature(params):
+    """One int64 row per parameter: dtype, ndim, numel, first _MAX_DIMS sizes (padded with -1)."""
+    rows = []
+    for p in params:
+        dims = list(p.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(p.dim(), _MAX_DIMS))
+        rows.append([_dtype_code(p.dtype), p.dim(), p.numel()] + dims)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _dtype_code(dtype):
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF  # same on every rank, unlike hash()
+
+
+_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _describe(row):
+    dims = [int(d) for d in row[3:3 + min(int(row[1]), _MAX_DIMS)]]
+    dtype = _DTYPE_NAMES.get(int(row[0]), "unknown dtype")
+    return f"shape {tuple(dims)} {dtype}"
+
+
+def _verify_same_model(group, names, params, device):
+    """Every rank must wrap the same parameters; otherwise raise, on every rank, naming the first
+    mismatching parameter. DDP over gloo crashes or hangs here instead."""
+    world = dist.get_world_size(group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(params)], dtype=torch.int64, device=device), group=group)
+    counts = [int(c.item()) for c in counts]
+    if len(set(counts)) != 1:
+        raise FusedReducerError(
+            "FusedReducer: ranks wrap different models: trainable parameter counts per rank are "
+            f"{counts}. Build the same model on every rank.")
+    mine = _shape_signature(params).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    reference = gathered[0].cpu()
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        theirs = theirs.cpu()
+        for index in range(len(params)):
+            if not torch.equal(reference[index], theirs[index]):
+                kind = "dtype" if reference[index][0] != theirs[index][0] else "shape"
+                raise FusedReducerError(
+                    f"FusedReducer: parameter '{names[index]}' (index {index}) differs across "
+                    f"ranks ({kind}): rank 0 has {_describe(reference[index])}, rank {rank} has "
+                    f"{_describe(theirs[index])}. Build the same model on every rank.")
+
