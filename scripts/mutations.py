@@ -19,6 +19,7 @@ behaviour (equivalent) does not belong here; replace it with one that can.
 
 REDUCER_CPP = "ext/reducer.cpp"
 REDUCER_PY = "python/fused_reducer/core/wrapper.py"
+VALIDATION_PY = "python/fused_reducer/core/validation.py"
 K = "tests/test_mutant_killers.py::"
 EQ = "tests/test_equivalence_ddp.py::"
 BEH = "tests/test_dropin_behaviours.py::"
@@ -755,7 +756,7 @@ MUTATIONS = [
     ),
     dict(
         id="forward-sync-buffers-false-skips-init-broadcast",
-        file=REDUCER_PY,
+        file=VALIDATION_PY,
         edits=[("        return bool(forward_sync_buffers), True",
                 "        return bool(forward_sync_buffers), bool(forward_sync_buffers)")],
         why="forward_sync_buffers=False also skips the broadcast at construction (DDP's broadcast_buffers=False rule): rank-local buffers where DDP starts from rank 0's",
@@ -763,7 +764,7 @@ MUTATIONS = [
     ),
     dict(
         id="deprecated-broadcast-buffers-wins",
-        file=REDUCER_PY,
+        file=VALIDATION_PY,
         edits=[("    if forward_sync_buffers is not None:\n        return",
                 "    if forward_sync_buffers is not None and broadcast_buffers is None:\n        return")],
         why="with both broadcast_buffers and forward_sync_buffers, the deprecated one wins where DDP ignores it",
