@@ -201,7 +201,9 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
 // a 17 ms step, the per-step lateness of a balanced job was +-5 ms, a coin flip, and a
 // window's median of it reached 26 % of the step. A lateness within that step-to-step scatter
 // says nothing, so the threshold is also at least half the ranks' median interquartile range
-// of their slacks (jitter_ms: near 0 on a quiet host, where the fraction decides). Naming in
+// of their slacks (jitter_ms: near 0 on a quiet host, where the fraction decides), and never
+// below kSchedulerNoiseMs, what the host's scheduler alone moves a process by (steps of a few
+// ms on a loaded CPU host named a rank 0.3 ms late). Naming in
 // the report follows one exchange; the logged warning waits for straggler_warn_steps late
 // steps in a row (20: two exchanges), because a balanced job's windows exceed the threshold
 // alone now and then (3 of 45 under heavy load), two in a row hardly ever (1 of 42, a rank
@@ -209,7 +211,7 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
 double TrainingHealth::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
   const double of_step = std::isnan(median_step_ms) ? 0.0 : kLateFractionOfStep * median_step_ms;
   const double of_jitter = std::isnan(jitter_ms) ? 0.0 : kJitterFactor * jitter_ms;
-  return std::max(of_step, of_jitter);
+  return std::max({of_step, of_jitter, kSchedulerNoiseMs});
 }
 
 std::string TrainingHealth::take_warning() {

@@ -77,6 +77,7 @@ class TrainingHealth {
   // The default threshold: Note [A straggler is late relative to the step].
   static constexpr double kLateFractionOfStep = 0.1;
   static constexpr double kJitterFactor = 0.5;
+  static constexpr double kSchedulerNoiseMs = 1.0;
   static double automatic_threshold_ms(double median_step_ms, double jitter_ms);
 
   // The second exchange, when some rank counted non-finite elements: float64

@@ -4,7 +4,7 @@ scripts/mutations.py's MUTATIONS."""
 HEALTH_CPP = "ext/training_health.cpp"
 HEALTH = "tests/test_health.py::"
 REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[world2]"
-NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody[world2]"
+NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about[world2]"
 COUNTS = "tests/test_collective_counts.py::"
 
 MUTATIONS = [
@@ -37,7 +37,8 @@ MUTATIONS = [
     dict(
         id="straggler-threshold-a-fixed-5-ms",
         file=HEALTH_CPP,
-        edits=[("  return std::max(of_step, of_jitter);", "  return std::max(5.0, of_jitter);")],
+        edits=[("  return std::max({of_step, of_jitter, kSchedulerNoiseMs});",
+                "  return std::max({5.0, of_jitter, kSchedulerNoiseMs});")],
         why="the automatic threshold is a fixed 5 ms again instead of a fraction of the step: a "
             "slow job's noise names ranks, a fast job's stragglers go unnamed",
         tests=[REPORT],

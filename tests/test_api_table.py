@@ -250,7 +250,7 @@ COVERAGE = {
         "test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp",
     ],
     "`straggler_report()`": [
-        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
+        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about",
         "test_health.py::test_the_straggler_report_is_the_median_of_each_ranks_measured_slack",
     ],
     "`grad_norm(norm_type=2.0)`, `clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None)`": [
@@ -261,7 +261,7 @@ COVERAGE = {
         "test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp",
     ],
     "a slow rank": [
-        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_names_nobody",
+        "test_health.py::test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about",
     ],
     "a peer process dead over gloo": [
         "test_lifecycle.py::test_every_ending_on_both_transports_ends_cleanly",
