@@ -490,3 +490,9 @@ def test_package_modules_import_each_other_without_a_cycle():
     assert all(m in edges for m in planner_side), sorted(edges)
     on_cycle = [m for m in planner_side if reaches(m, m)]
     assert not on_cycle, f"import cycle through {on_cycle}: {edges}"
+    # The layers: the core and the transports import nothing above them (the tuning layer plugs
+    # into the core through core/plugins.py).
+    above = ("tuning", "sharded", "integrations")
+    upward = sorted((m, t) for m, targets in edges.items() if m.split(".")[0] in ("core", "transports")
+                    for t in targets if t.split(".")[0] in above)
+    assert not upward, f"the core or the transports import a layer above them: {upward}"

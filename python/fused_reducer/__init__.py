@@ -42,16 +42,9 @@ from .core.wrapper import FusedReducer  # noqa: E402
 from .sharded.optimizer import ShardedOptimizer  # noqa: E402
 from .transports.transport import make_transport  # noqa: E402
 from .settings import get_default_first_bucket_bytes, set_default_first_bucket_bytes  # noqa: E402
-
-
-def build_info():
-    """How this copy was built: cuda (bool), nccl_version, torch_version, cuda_arch_list."""
-    info = dict(_C.BUILD_INFO)
-    code = info["nccl_version"]
-    if code is not None:  # NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch
-        info["nccl_version"] = f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
-    info["torch_version"] = torch.__version__
-    return info
+from .build import build_info  # noqa: E402
+# The tuning layer plugs its tools into the core (core/plugins.py): imported here, never by it.
+from .tuning import autotune as _autotune, profile as _profile, trace as _trace  # noqa: E402,F401
 
 
 __all__ = ["FusedReducer", "FusedReducerError", "NonFiniteGradientError", "ShardedGradientError", "ShardedOptimizer",

@@ -28,6 +28,7 @@ from ..transports.transport import (backend_of, check_one_rank_per_gpu, group_ti
 from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .module_states import reduced_parameters, synced_states
+from .plugins import tool
 from .validation import (_buffer_sync_settings, _check_bucket_view_dtypes, _check_device_ids,
                          _control_device, _group_of, _health_settings, _one_communicator_backend,
                          _reduce_dtype_of, _refuse_compiled_autograd, _refuse_sparse_gradients,
@@ -179,7 +180,7 @@ class FusedReducer(nn.Module, Joinable):
         self._divide_factor = 0
         self._comm_hook = None  # (state, hook)
         self._trace_steps = 100  # the C++ reducer's default ring size
-        self._tuner = None
+        self._tuner = None  # the forward observer autotune() starts (see core/plugins.py)
         self._debug = _debug_enabled()
         self._rebuilds_seen = 0
         self._sharded = False  # a ShardedOptimizer uses this model: _use_sharded_optimizer
@@ -697,12 +698,12 @@ class FusedReducer(nn.Module, Joinable):
         """Start tuning first_bucket_bytes, bucket_cap_bytes and last_bucket_bytes from measured
         steps while training goes on (collective: call on every rank). Gradients stay exact: a
         new layout only takes effect at a forward. When done, the choice is the value of the
-        properties. Options: see fused_reducer.autotune.Autotuner."""
-        from ..tuning.autotune import Autotuner
+        properties. Options: see fused_reducer.tuning.autotune.Autotuner."""
         from ..transports.transport import control_allreduce
+        autotuner = tool("autotuner", "FusedReducer.autotune")
         self._checked_reducer()
         try:
-            tuner, refused = Autotuner(self, **options), None
+            tuner, refused = autotuner(self, **options), None
         except (ValueError, TypeError, OSError) as e:
             tuner, refused = None, e
         # Every rank agrees before any goes on: a planner_hint file missing on some rank only
@@ -737,7 +738,7 @@ class FusedReducer(nn.Module, Joinable):
         slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
         rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
         (straggler_threshold_ms, or automatic: 10 % of median_step_ms, and at least half of
-        jitter_ms, the ranks' median step-to-step scatter of their slack: Note [A straggler
+        jitter_ms, the ranks' median step-to-step scatter of their slack, and 1 ms: Note [A straggler
         is late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
         step (of the last exchange, 0: none yet), interval, window, measured (whether any
         rank's lateness is known yet).
@@ -867,7 +868,7 @@ class FusedReducer(nn.Module, Joinable):
         (JSON, opens in Perfetto / chrome://tracing): a row for the step, one for backward and
         the end-of-backward wait, one per bucket (fill, copy, all-reduce, exposed wait). `path`
         may contain "{rank}". Returns the path written."""
-        from ..tuning.trace import write_chrome_trace
+        write_chrome_trace = tool("write_chrome_trace", "FusedReducer.export_trace")
         history = self.step_history()
         if steps is not None:
             history = history[-int(steps):] if int(steps) > 0 else []
@@ -883,7 +884,7 @@ class FusedReducer(nn.Module, Joinable):
         per-parameter bytes and median ready times, step phases, limits, probed transport,
         machine (docs/PLANNING.md). Collective: call on every rank after >= 2 steps; rank 0
         writes `path` (every rank with "{rank}" in it). Returns the path written or None."""
-        from ..tuning.profile import export_profile
+        export_profile = tool("export_profile", "FusedReducer.export_profile")
         self._checked_reducer()
         return export_profile(self, path)
 

@@ -38,6 +38,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..core.plugins import provide
 from .costmodel import CostModel, ParamInfo, candidate, candidate_grid, caps_of, limits_json
 from .probe import probe_transport
 from ..transports.transport import control_allreduce
@@ -480,3 +481,6 @@ class Autotuner:
                 "configurations_considered": self.considered, "model": self.model_info,
                 "decision": self.decision, "verification": self.verification,
                 "incumbent": None if self.incumbent is None else limits_json(self.incumbent)}
+
+
+provide("autotuner", Autotuner)  # FusedReducer's hook point: see core/plugins.py

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..core.plugins import provide
 from .costmodel import ParamInfo, candidate, limits_json
 from .probe import probe_transport
 from ..settings import MAX_BYTES
@@ -38,7 +39,7 @@ def export_profile(model, path):
     with "{rank}" in it, every rank writes its own. Returns the path written, or None on ranks
     that write nothing. Needs at least two completed synchronised steps."""
     from ..transports.transport import control_allreduce  # looked up per call (tests stand it in)
-    from .. import build_info
+    from ..build import build_info
 
     reducer = model._reducer
     group = model.process_group
@@ -402,3 +403,6 @@ def step_compute(profile):
     return StepCompute(float(t["forward_us"]), ready, float(t["backward_end_us"]),
                        float(t["finalize_us"]), float(t["other_us"]),
                        float(t["copy_GBps"]) * 1e3)
+
+
+provide("export_profile", export_profile)  # FusedReducer's hook point: see core/plugins.py
