@@ -11,6 +11,13 @@
 //        reduced are unpacked during backward: Note [Copy at the hook])
 //
 // Everything here runs in C++: no Python call per parameter.
+//
+// reducer.cpp is the route; every other concern is a unit the Reducer owns and calls:
+//   bucket_layout.h      the buckets, their slots and memory, the rebuild from rank 0
+//   unused_parameters.h  the used map, parameters no rank uses
+//   step_telemetry.h     bucket and step timing, the history ring
+//   step_health.h        non-finite counts, norms from the copy, slack, the health exchange
+// reducer_settings.cpp holds the setters and introspection (lock, then one unit).
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -29,40 +36,15 @@
 #include <string>
 #include <vector>
 
-#include "bucket_assignment.h"
 #include "bucket_copy.h"
-#include "training_health.h"
+#include "bucket_layout.h"
+#include "reducer_options.h"
+#include "step_health.h"
+#include "step_telemetry.h"
 #include "transport.h"
-#include "used_map.h"
+#include "unused_parameters.h"
 
 namespace fused_reducer {
-
-struct ReducerOptions {
-  // Size limits of each group's buckets in launch order, the last one
-  // repeating: [first_bucket_bytes, bucket_cap_bytes] unless the user set a
-  // longer list (bucket_caps_bytes; DDP's bucket_cap_mb_list).
-  std::vector<int64_t> bucket_caps_bytes;
-  // The first layout applies bucket_caps_bytes from the first *registered*
-  // parameter, then reverses the buckets: DDP's first layout for
-  // bucket_cap_mb_list. Otherwise (and in every rebuild) the limits apply in
-  // launch order, from the gradients expected first.
-  bool ddp_first_layout = false;
-  int64_t last_bucket_bytes = 0;  // 0: no separate last bucket (see Note [Bucket assignment])
-  bool gradient_as_bucket_view = false;
-  bool find_unused_parameters = false;
-  // DDP's skip_all_reduce_unused_params. See Note [Skipping unused parameters].
-  bool skip_all_reduce_unused_params = false;
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  // dtype of the buckets of floating-point gradients; nullopt: each gradient's
-  // own dtype. See Note [Reduce dtype].
-  std::optional<at::ScalarType> reduce_dtype;
-  // check_finite and the straggler report: see training_health.h.
-  HealthOptions health;
-};
-
-// Throws c10::ValueError naming `dtype` and the accepted ones unless it is
-// nullopt, float32, bfloat16 or float16.
-void check_reduce_dtype(std::optional<at::ScalarType> dtype);
 
 struct ReducerStats {
   int64_t step = 0;             // completed synchronised backward passes
@@ -82,46 +64,6 @@ struct ReducerStats {
   std::string transport;
 };
 
-// Note [Step telemetry]
-// Per synchronised step the reducer records, for each bucket, when its first
-// and last gradient became ready, when its collective was launched, when the
-// reducer saw it complete (polled during backward and unpacked early, or its
-// wait returned at the end of backward; an upper bound of the real completion)
-// and how long that wait blocked (0 for a bucket unpacked during backward). Times are
-// microseconds of a steady clock relative to the step's first gradient hook
-// (origin_us holds that instant on the clock, for traces). Taking a time costs
-// one clock read per hook: no Python, no allocation per parameter.
-//
-// overlap = 1 - (time blocked waiting at the end of backward) / (length of the
-// union of the buckets' [launch, complete] intervals): the share of the
-// communication that ran while backward was still computing. 1 = fully hidden,
-// 0 = every collective was waited for after backward.
-struct BucketTiming {
-  int64_t bytes = 0;
-  int64_t params = 0;
-  double ready_first_us = 0;  // NaN when no parameter of the bucket became ready
-  double ready_last_us = 0;   // (find_unused_parameters: a locally unused bucket)
-  double launch_us = 0;       // collective started (after the scaled copy)
-  double pack_us = 0;         // duration of the copy into the bucket
-  double complete_us = 0;     // its wait returned at the end of backward
-  double wait_us = 0;         // blocked in that wait: exposed communication
-};
-
-struct StepTiming {
-  int64_t step = 0;             // stats().step after this step
-  double origin_us = 0;         // the step's first hook, steady clock
-  double forward_us = 0;        // prepare_forward, relative (negative)
-  double backward_end_us = 0;   // end-of-backward callback entered
-  double finalize_end_us = 0;   // gradients written back
-  double exposed_wait_us = 0;   // sum of the buckets' wait_us
-  double overlap = 1.0;
-  std::vector<int64_t> bucket_caps_bytes;
-  int64_t last_bucket_bytes = 0;
-  std::optional<at::ScalarType> reduce_dtype;
-  std::vector<BucketTiming> buckets;
-  std::vector<double> lateness_ms;  // per rank, when this step exchanged them (else empty)
-};
-
 // A DDP communication hook, adapted by the bindings: called (instead of the
 // transport) when a bucket is complete, with the bucket's index, whether it is
 // the last bucket of the step, its flat buffer (gradients unscaled: the hook
@@ -130,15 +72,6 @@ struct StepTiming {
 using CommHook = std::function<std::unique_ptr<PendingCollective>(
     int64_t index, bool is_last, const at::Tensor& flat, const std::vector<at::Tensor>& views,
     const std::vector<int64_t>& params)>;
-
-// What a rank that ran out of inputs reduces in place of a bucket (join):
-// zeros shaped like the bucket. See FusedReducer.join.
-struct ZeroBucket {
-  at::Tensor flat;
-  std::vector<at::Tensor> views;
-  std::vector<int64_t> params;
-  bool is_last = false;
-};
 
 class Reducer {
  public:
@@ -248,28 +181,12 @@ class Reducer {
   std::optional<at::Tensor> copy_norms() const;
 
  private:
-  struct Bucket {
-    at::Tensor flat;                  // the contiguous buffer the collective reduces
-    std::vector<int64_t> params;      // parameter indices, in ready order
-    std::vector<at::Tensor> views;    // views of `flat` shaped (and strided) like each parameter
-    std::vector<int64_t> offsets;     // element offset of each slot in `flat`
-    int64_t bytes = 0;
-    int64_t pending = 0;              // parameters not ready yet this iteration
-    bool skipped = false;             // only parameters no rank uses: never reduced
-    std::unique_ptr<PendingCollective> collective;
-    BucketTiming timing;              // this iteration's, absolute steady-clock us
-    std::vector<c10::Stream> copy_streams;  // GPU: streams that packed or unpacked it (Note
-                                            // [Releasing GPU buckets])
-  };
-
   void install_hooks();
   void on_gradient_ready(int64_t index);
   void launch_ready_buckets();
   void pack_bucket(Bucket& bucket);
   void wait_for_gradient_streams(const Bucket& bucket);
-  static void note_copy_stream(Bucket& bucket);
   void release_local_gradients(Bucket& bucket);
-  static void release_after_copies(Bucket& bucket);
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
   void finish_bucket(size_t index, const int32_t* used, bool exposed);
@@ -277,48 +194,26 @@ class Reducer {
   void unpack_bucket(Bucket& bucket, Keep keep);
   void queue_finalize();
   void finalize_backward();
+  void record_step(double backward_end, double finalize_end);
+  StepHealth::StepEnd step_end();
   void check_not_decided_unused(int64_t index) const;
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
-  // Bucket assignment of the options' limits over `order`, counting bytes of
-  // each parameter's bucket dtype.
-  std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order);
   bool rebuilds_after_first_step() const;
-  void decide_skipped(const int32_t* globally_used);
-  void check_skipped_still_unused(const int32_t* globally_used);
-  void build_buckets(const std::vector<std::vector<int64_t>>& assignment);
-  at::ScalarType bucket_dtype(int64_t index) const;  // of parameter `index`'s bucket
-  void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
   void check_params_unchanged() const;
   double gradient_scale() const;
   int64_t gradient_divisor() const;
-  void rebuild_from_rank0();
   void reset_iteration();
-  void record_step(double backward_end, double finalize_end);
-  CopyStats pack_stats() const;
-  CopyStats unpack_stats() const;
-  void snapshot_gradients();
-  at::Tensor gradient_probes() const;
-  std::vector<double> take_slack_samples(bool exchanging);
-  void record_slack_event(bool complete);
-  bool slack_on_device() const;
-  void record_stream_event(std::optional<c10::Event>& event) const;
-  std::string exchange_health(bool joined);
-  std::string averaged_nonfinite_message() const;
+  at::Tensor allreduce_used_map();  // the global map, readable on the host
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
   std::vector<int64_t> observed_order() const;
   std::string describe_params(const std::vector<int64_t>& indices) const;
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
-  // Parameters no rank used in the first step, when skip_all_reduce_unused_params.
-  std::vector<char> skipped_;
-  std::vector<TensorInfo> infos_;  // bytes in the bucket dtype, set by build_buckets
   std::vector<at::TensorOptions> param_options_;  // dtype and device at construction
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  at::Device control_device_;
   std::shared_ptr<Transport> transport_;
-  ReducerOptions options_;
+  ReducerOptions options_;  // the limits in it persist: Note [Persistent limits]
   int rank_;
   int world_size_;
 
@@ -330,9 +225,13 @@ class Reducer {
   std::vector<uintptr_t> hook_keys_;
 
   mutable std::mutex mutex_;
-  std::vector<Bucket> buckets_;
-  std::vector<int64_t> bucket_of_;  // parameter -> bucket
-  std::vector<int64_t> slot_of_;    // parameter -> index within its bucket
+  // The units the route calls: the buckets and their layout, the used map and the skipped
+  // parameters, the step's times, training health.
+  BucketLayout layout_;
+  std::vector<Bucket>& buckets_;  // layout_'s, in launch order
+  UnusedParameters unused_;
+  StepTelemetry telemetry_;
+  StepHealth health_;
 
   // Iteration state, reset by prepare_forward.
   bool expect_hooks_ = false;             // armed by a synchronised forward
@@ -347,15 +246,8 @@ class Reducer {
   int64_t divide_factor_ = 0;             // 0: world size
   CommHook comm_hook_;
   std::vector<char> ready_;
-  // find_unused_parameters: parameters that got a defined gradient since the
-  // last synchronised step, no_sync() steps included (DDP's local_used_map).
-  std::vector<char> locally_used_;
-  at::Tensor used_map_;  // see joined_used_map()
-  UsedMapExchange used_map_exchange_;  // Note [Used map on the GPU]
   bool sharded_ = false;  // Note [Sharded mode]
-  bool sharded_layout_ = false;  // the buckets in force were built (padded) for sharded mode
   std::vector<at::Tensor> released_gradients_;  // Note [Released gradients]
-  at::Tensor allreduce_used_map();  // the global map, readable on the host
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)
   // Accelerator gradients: the stream each one was produced on (its hook's
   // current stream), see Note [Gradients from several streams].
@@ -373,45 +265,6 @@ class Reducer {
   bool rebuild_pending_ = false;
   bool rebuilt_after_first_step_ = false;
   ReducerStats stats_;
-
-  // Telemetry, see Note [Step telemetry].
-  double forward_time_ = 0;              // absolute steady-clock us
-  double step_origin_ = 0;               // first hook of this iteration
-  std::vector<double> ready_time_;       // per parameter, this iteration, absolute
-  std::vector<double> last_ready_time_;  // per parameter, last completed step, relative
-  std::deque<StepTiming> history_;
-  size_t trace_capacity_ = 100;
-
-  // Training health. nonfinite_: int64 per parameter, NaN/Inf in the local gradients of
-  // this step (check_finite); norms_ and the gradients they describe: see copy_norms().
-  TrainingHealth health_;
-  // GPU buckets: the slack on the device's clock (Note [Lateness from slack on the GPU]), one
-  // pair of timing events per step, kSlackSlots steps in turn: a pair is read once the device
-  // has finished it.
-  struct SlackEvents {
-    std::optional<c10::Event> ready;     // after the last launched bucket's copy
-    std::optional<c10::Event> complete;  // after the wait for the last bucket's collective
-    bool recorded = false;
-    // Around each forward collective of the step (begin_forward_sync), reused step to step.
-    std::vector<std::pair<std::optional<c10::Event>, std::optional<c10::Event>>> forward;
-    size_t forward_recorded = 0;  // pairs of this step recorded so far
-  };
-  static constexpr size_t kSlackSlots = 4;
-  std::array<SlackEvents, kSlackSlots> slack_events_;
-  size_t slack_slot_ = 0;
-  // CPU: the host clock around this step's forward collectives (begin_forward_sync), summed.
-  double forward_sync_begin_us_ = 0;
-  double forward_sync_ms_ = 0;
-  bool forward_sync_open_ = false;
-  std::function<void(const std::string&)> nonfinite_handler_;
-  at::Tensor nonfinite_;
-  at::Tensor norms_;
-  std::vector<char> observed_;  // parameters whose unpack added to norms_
-  std::vector<std::pair<const void*, int64_t>> grad_snapshot_;  // param.grad impl, version
-  at::Tensor grad_probes_;  // gradient_probes() as the unpack wrote them
-  bool grad_probes_taken_ = false;
-  mutable bool probes_wanted_ = false;  // set by the first copy_norms()
-  bool norms_valid_ = false;
 };
 
 }  // namespace fused_reducer

@@ -55,7 +55,7 @@ MUTATIONS = [
     ),
     dict(
         id="skip-layout-broadcast",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  auto work = group_->broadcast(tensors, broadcast);",
                 "  std::vector<at::Tensor> sent{tensors[0].clone()};\n"
                 "  auto work = group_->broadcast(sent, broadcast);  // rank 0's inputs land in a copy")],
@@ -66,7 +66,7 @@ MUTATIONS = [
     ),
     dict(
         id="rank0-limits-ignored",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  options_.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);\n"
                 "  options_.last_bucket_bytes = data[1];\n", "")],
         why="the rebuild takes rank 0's order but keeps this rank's own limits: ranks that set "
@@ -85,7 +85,7 @@ MUTATIONS = [
     ),
     dict(
         id="limits-not-persistent",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
                 "            data + kHeader);",
                 "  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
@@ -99,7 +99,7 @@ MUTATIONS = [
         id="used-map-forgets-no-sync",
         file=REDUCER_CPP,
         edits=[("    if (!sync_enabled_ && params_[index].grad().defined()) {\n"
-                "      locally_used_[index] = 1;\n"
+                "      unused_.mark_used(index);\n"
                 "    }\n"
                 "    check_not_decided_unused(index);",
                 "    check_not_decided_unused(index);")],
@@ -120,7 +120,7 @@ MUTATIONS = [
     ),
     dict(
         id="contiguous-slot-views",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("          param.is_non_overlapping_and_dense()\n"
                 "              ? bucket.flat.as_strided",
                 "          false\n"
@@ -133,7 +133,7 @@ MUTATIONS = [
     ),
     dict(
         id="slot-alignment-removed",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("constexpr int64_t kSlotAlignBytes = 16;", "constexpr int64_t kSlotAlignBytes = 1;")],
         why="slots are packed element by element: only the first slot of a bucket starts on a "
             "16-byte boundary, the fused copy kernel loses its vector path",
@@ -201,9 +201,9 @@ MUTATIONS = [
         file=REDUCER_CPP,
         edits=[("  if (comm_hook_) {\n    return 1.0;\n  }\n  return 1.0 / static_cast<double>(gradient_divisor());",
                 "  return 1.0;"),
-               ("  wait_for_bucket(index);\n  if (!buckets_[index].skipped) {",
+               ("  wait_for_bucket(index);\n  BucketTiming& timing = buckets_[index].timing;",
                 "  wait_for_bucket(index);\n  if (!comm_hook_) buckets_[index].flat.mul_(1.0 / gradient_divisor());\n"
-                "  if (!buckets_[index].skipped) {")],
+                "  BucketTiming& timing = buckets_[index].timing;")],
         why="ncclAvg's arithmetic restored: buckets summed unscaled, then multiplied by 1/n in "
             "the bucket's dtype (a second rounding; not DDP's bits at 3 ranks, and in bf16/fp16 "
             "a bias), instead of scaling each gradient in the copy",
@@ -397,7 +397,7 @@ MUTATIONS = [
     ),
     dict(
         id="join-used-map-zeros",
-        file=REDUCER_CPP,
+        file="ext/unused_parameters.cpp",
         edits=[("  used_map_ = result.device;\n", "")],
         why="a joined rank all-reduces zeros as its used-parameter map, where DDP's joined rank "
             "all-reduces its last one: a parameter the joined rank used last counts as unused "
@@ -406,7 +406,7 @@ MUTATIONS = [
     ),
     dict(
         id="reduce-dtype-not-from-rank0",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  options_.reduce_dtype = data[2] == kNoReduceDtype\n",
                 "  (void)(data[2] == kNoReduceDtype\n"),
                ("                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));",
@@ -418,7 +418,7 @@ MUTATIONS = [
     ),
     dict(
         id="reduce-dtype-ignored-by-bucket",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  if (options_.reduce_dtype && at::isFloatingType(type)) {",
                 "  if (false && options_.reduce_dtype && at::isFloatingType(type)) {")],
         why="reduce_dtype is accepted but buckets keep the gradients' dtype: fp32 bytes on the "
@@ -669,7 +669,7 @@ MUTATIONS = [
     ),
     dict(
         id="rebuild-drops-accumulated-view-grad",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("          bucket.views.back().copy_(grad);\n",
                 "")],
         why="gradient_as_bucket_view: a rebuild (a limit set by hand or by autotune) between a no_sync micro-step and the synchronised step moves param.grad into the new bucket without its accumulated value",
@@ -726,7 +726,7 @@ MUTATIONS = [
     # -- issue 22: DDP 2.14's constructor arguments, per-bucket limits at runtime ---------------
     dict(
         id="caps-list-truncated-at-rebuild",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), count);",
                 "      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), 2);")],
         why="a rebuild keeps only the first two limits of a longer list: bucket_cap_mb_list / bucket_caps_bytes lose their third entry at the first rebuild",
@@ -734,14 +734,14 @@ MUTATIONS = [
     ),
     dict(
         id="first-bucket-setter-drops-the-list",
-        file=REDUCER_CPP,
+        file="ext/reducer_settings.cpp",
         edits=[("  caps.front() = bytes;", "  caps = {bytes, caps.back()};")],
         why="setting first_bucket_bytes replaces a list of limits with [first, cap]: the middle limits of bucket_caps_bytes are lost",
         tests=["tests/test_ddp_arguments.py::test_bucket_caps_bytes_set_while_training_persists_across_rebuilds_and_rank0_wins"],
     ),
     dict(
         id="list-first-layout-not-ddps",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  if (options_.ddp_first_layout) {", "  if (false) {")],
         why="bucket_cap_mb_list's first layout applies the list in launch order instead of DDP's (from the first registered parameter): the first step's buckets differ from DDP's",
         tests=["tests/test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild"],
@@ -788,14 +788,14 @@ MUTATIONS = [
     dict(
         id="skipped-parameter-used-later-ignored",
         file=REDUCER_CPP,
-        edits=[("  if (used != nullptr && !skipped_.empty()) {\n    check_skipped_still_unused(used);",
-                "  if (false) {\n    check_skipped_still_unused(used);")],
+        edits=[("  if (used != nullptr && unused_.any_skipped()) {\n    unused_.check_skipped_still_unused(",
+                "  if (false) {\n    unused_.check_skipped_still_unused(")],
         why="a parameter skipped as unused that a rank uses later is silently left unreduced (each rank keeps its own gradient) instead of raising",
         tests=["tests/test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes"],
     ),
     dict(
         id="buckets-from-malloc",
-        file=REDUCER_CPP,
+        file="ext/bucket_layout.cpp",
         edits=[("  if (!options.device().is_cpu()) {\n    return at::zeros({numel}, options);",
                 "  if (true) {\n    return at::zeros({numel}, options);")],
         why="CPU buckets taken from malloc: after limit changes the freed buckets stay resident in glibc's heap (tens of MiB more than DDP's)",

@@ -119,7 +119,7 @@ PathCounts simulate(const std::vector<Segment>& segments, size_t src_size, size_
   return counts;
 }
 
-// The reducer's slot layout (Note [Slot layout] in ext/reducer.cpp): every slot
+// The reducer's slot layout (Note [Slot layout] in ext/bucket_layout.cpp): every slot
 // starts at a multiple of 16 bytes of the bucket; gradients are separate
 // allocations (the caching allocator aligns them to 512 bytes).
 std::vector<Segment> reducer_layout(const std::vector<int64_t>& numels, size_t grad_size,

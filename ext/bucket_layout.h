@@ -1,0 +1,126 @@
+// Bucket layout: which gradients share a flat buffer (the assignment of
+// bucket_assignment.h over the parameters' bucket dtypes), where each one's slot
+// lies in it, the buffers themselves, and the rebuild every rank takes from rank 0.
+//
+// The route (reducer.cpp) fills and empties the buckets; this unit makes them.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bucket_assignment.h"
+#include "reducer_options.h"
+#include "step_telemetry.h"
+#include "transport.h"
+
+namespace fused_reducer {
+
+// How Python spells a dtype, for error messages.
+std::string dtype_name(at::ScalarType type);
+
+// Throws c10::ValueError naming `dtype` and the accepted ones unless it is
+// nullopt, float32, bfloat16 or float16.
+void check_reduce_dtype(std::optional<at::ScalarType> dtype);
+
+struct Bucket {
+  at::Tensor flat;                  // the contiguous buffer the collective reduces
+  std::vector<int64_t> params;      // parameter indices, in ready order
+  std::vector<at::Tensor> views;    // views of `flat` shaped (and strided) like each parameter
+  std::vector<int64_t> offsets;     // element offset of each slot in `flat`
+  int64_t bytes = 0;
+  int64_t pending = 0;              // parameters not ready yet this iteration
+  bool skipped = false;             // only parameters no rank uses: never reduced
+  std::unique_ptr<PendingCollective> collective;
+  BucketTiming timing;              // this iteration's, absolute steady-clock us
+  std::vector<c10::Stream> copy_streams;  // GPU: streams that packed or unpacked it (Note
+                                          // [Releasing GPU buckets])
+
+  // The current stream packs or unpacks this bucket: remember it.
+  void note_copy_stream();
+  // The buffer is being dropped: its memory is reused only after those copies.
+  void release_after_copies();
+};
+
+// What a rank that ran out of inputs reduces in place of a bucket (join):
+// zeros shaped like the bucket. See FusedReducer.join.
+struct ZeroBucket {
+  at::Tensor flat;
+  std::vector<at::Tensor> views;
+  std::vector<int64_t> params;
+  bool is_last = false;
+};
+
+// The limits and dtype of the layout in force (those of the last build).
+struct LayoutInForce {
+  std::vector<int64_t> bucket_caps_bytes;
+  int64_t last_bucket_bytes = 0;
+  std::optional<at::ScalarType> reduce_dtype;
+  bool sharded = false;  // built (padded) for sharded mode: Note [Sharded mode]
+};
+
+class BucketLayout {
+ public:
+  // `params`, `names` and `options` are the reducer's and outlive this object: the limits
+  // and the reduce dtype live in `options` (Note [Persistent limits]). `group` carries the
+  // rank-0 layout broadcast as tensors on `control_device`.
+  BucketLayout(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+               ReducerOptions& options, c10::intrusive_ptr<c10d::ProcessGroup> group,
+               at::Device control_device);
+
+  // The layout before any gradient was seen (reverse registration order).
+  void build_initial();
+  // Rank 0 decides the layout inputs (its limits and `order`, its observed ready order) and
+  // broadcasts them; every rank then builds the same layout. `skipped`: parameters no rank
+  // uses (Note [Skipping unused parameters]), empty when none.
+  void rebuild_from_rank0(const std::vector<int64_t>& order, const std::vector<char>& skipped,
+                          bool sharded);
+
+  at::ScalarType bucket_dtype(int64_t index) const;  // of parameter `index`'s bucket
+  void check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const;
+
+  // The buckets in launch order; the bucket and slot of a parameter.
+  std::vector<Bucket>& buckets() { return buckets_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  Bucket& bucket_of(int64_t index) { return buckets_[bucket_of_[index]]; }
+  size_t slot_of(int64_t index) const { return static_cast<size_t>(slot_of_[index]); }
+  const LayoutInForce& in_force() const { return in_force_; }
+  int64_t rebuilds() const { return rebuilds_; }
+
+  std::vector<at::Tensor> flats() const;
+  std::vector<std::vector<int64_t>> offsets() const;
+  std::vector<int64_t> sizes() const;
+  std::vector<int64_t> numels() const;
+  std::vector<std::vector<int64_t>> params() const;
+  std::vector<ZeroBucket> zero_buckets() const;
+
+ private:
+  // Bucket assignment of the options' limits over `order`, counting bytes of
+  // each parameter's bucket dtype.
+  std::vector<std::vector<int64_t>> assign(const std::vector<int64_t>& order,
+                                           const std::vector<char>& skipped);
+  void build_buckets(const std::vector<std::vector<int64_t>>& assignment,
+                     const std::vector<char>& skipped, bool sharded);
+
+  const std::vector<at::Tensor>& params_;
+  const std::vector<std::string>& names_;
+  ReducerOptions& options_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  at::Device control_device_;
+  int world_size_;
+  std::vector<TensorInfo> infos_;  // bytes in the bucket dtype, set by assign
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> bucket_of_;  // parameter -> bucket
+  std::vector<int64_t> slot_of_;    // parameter -> index within its bucket
+  LayoutInForce in_force_;
+  int64_t rebuilds_ = 0;
+};
+
+}  // namespace fused_reducer
