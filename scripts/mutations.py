@@ -458,7 +458,7 @@ MUTATIONS = [
         id="autotune-step-times-not-agreed",
         file="python/fused_reducer/tuning/autotune.py",
         edits=[("        agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,\n"
-                "                                   self.model._control_device)\n",
+                "                                   self.model._attachment.control_device)\n",
                 "        agreed = list(times)\n")],
         why="step times are not the slowest rank's: each rank ranks candidates on its own "
             "timings, so the ranks' decisions can differ",
@@ -468,7 +468,7 @@ MUTATIONS = [
     dict(
         id="profile-agreement-on-cpu",
         file="python/fused_reducer/tuning/profile.py",
-        edits=[("    control = model._control_device\n", "    control = \"cpu\"\n")],
+        edits=[("    control = model._attachment.control_device\n", "    control = \"cpu\"\n")],
         why="export_profile stages its agreements on CPU tensors whatever the group: a plain "
             "NCCL group refuses them, so recording a profile fails on every GPU cluster",
         tests=["tests/test_plan.py::test_profile_round_trip"],
@@ -686,7 +686,7 @@ MUTATIONS = [
     dict(
         id="join-forgets-buffer-sync-rule",
         file="python/fused_reducer/core/join.py",
-        edits=[("        model._require_forward_param_sync = should_sync\n",
+        edits=[("        model._attachment.set_forward_param_sync(should_sync)\n",
                 "")],
         why="join with no_sync accumulation: a joined rank forgets whether the others' forward synchronised, so the BatchNorm buffer broadcasts of joined and training ranks differ from DDP's",
         tests=["tests/test_slips.py::test_join_with_no_sync_accumulation_and_batchnorm_matches_ddp_join"],

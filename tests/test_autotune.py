@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+import types
 
 import pytest
 import torch
@@ -545,7 +546,9 @@ class _StubModel:
         self.device = torch.device(device)
         self.process_group = None
         self._reducer = _StubReducer()
-        self._control_device = torch.device("cpu")
+        # The tuner reads the reducer and the control device through model._attachment.
+        self._attachment = types.SimpleNamespace(reducer=self._reducer,
+                                                 control_device=torch.device("cpu"))
         self.bucket_caps_bytes = [MiB, 4 * MiB]
         self.last_bucket_bytes = MiB
 

@@ -25,6 +25,7 @@ from ..settings import (bucket_limits, check_bucket_caps, check_bytes, check_red
 from ..transports.elastic import restart_failure
 from ..transports.transport import (backend_of, check_one_rank_per_gpu, group_timeout,
                                     make_transport, resolve_backend, timeout_seconds)
+from .attachment import Attachment
 from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .module_states import reduced_parameters, synced_states
@@ -230,16 +231,19 @@ class FusedReducer(nn.Module, Joinable):
                                          self._timeout_s, check_devices=False)
         self.backend = backend_of(self._transport)  # 'auto' on CPU may have fallen back
         caps, last_bytes = self._limits
-        self._reducer = _C.Reducer(
-            params, self._param_names, self.process_group, str(self._control_device),
-            self._transport, bucket_caps_bytes=caps,
-            ddp_first_layout=getattr(self, "_ddp_first_layout", False),
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            find_unused_parameters=self.find_unused_parameters,
-            skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
-            timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,
-            reduce_dtype=getattr(self, "_reduce_dtype", None),
-            **getattr(self, "_health", {}))
+        options = _C.ReducerOptions()  # ext/reducer_options.h
+        options.bucket_caps_bytes = caps
+        options.last_bucket_bytes = last_bytes
+        options.ddp_first_layout = getattr(self, "_ddp_first_layout", False)
+        options.gradient_as_bucket_view = self.gradient_as_bucket_view
+        options.find_unused_parameters = self.find_unused_parameters
+        options.skip_all_reduce_unused_params = getattr(self, "skip_all_reduce_unused_params", False)
+        options.timeout_seconds = self._timeout_s
+        options.reduce_dtype = getattr(self, "_reduce_dtype", None)
+        for name, value in getattr(self, "_health", {}).items():
+            setattr(options.health, name, value)
+        self._reducer = _C.Reducer(params, self._param_names, self.process_group,
+                                   str(self._control_device), self._transport, options)
         self._reducer.set_nonfinite_handler(raise_nonfinite)
         self._norm_source = None  # how the last grad_norm() was computed: "copy" or "torch"
         self._params = params  # the reducer's parameter indices
@@ -426,6 +430,13 @@ class FusedReducer(nn.Module, Joinable):
     def _reducer_params(self):
         """The trainable parameters, in the reducer's index order."""
         return self._params
+
+    @property
+    def _attachment(self):
+        """What join, the sharded optimizer and the tuning layer use of this model: the group,
+        transport, C++ reducer and parameters, and the few step decisions they share (see
+        core/attachment.py). They reach nothing else of the wrapper."""
+        return Attachment(self)
 
     @torch.compiler.disable
     def _finish_param_gather(self):

@@ -160,11 +160,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
         self._hooks_traced = False  # some of them run inside a torch.compile graph
-        self._index = {id(p): i for i, p in enumerate(model._reducer_params())}
+        self._index = {id(p): i for i, p in enumerate(model._attachment.params)}
         self._group_of = {}
         for g, group in enumerate(self.param_groups):
             self._adopt(g, group)
-        model._use_sharded_optimizer(self)
+        model._attachment.use_sharded_optimizer(self)
         self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
         self._fragments = []     # this rank's fragments, bucket by bucket
         self._inner = None       # optimizer_class over the fragments
@@ -172,7 +172,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # fragments hold, and the one zero_grad() cleared: a step() with no backward since
         # zero_grad() updates nothing, as with a plain optimizer.
         self._attached_step = None
-        self._cleared_step = model._reducer.completed_steps()
+        self._cleared_step = model._attachment.reducer.completed_steps()
         self._zeros_kept = False  # the last zero_grad() was set_to_none=False
         self._layout_changed = False
 
@@ -189,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "FusedReducer")
                 continue
             if not _dense(p):
-                name = self.model._param_names[self._index[id(p)]]
+                name = self.model._attachment.param_names[self._index[id(p)]]
                 raise ShardedOptimizerError(
                     f"ShardedOptimizer: parameter '{name}' (sizes {tuple(p.shape)}, strides "
                     f"{p.stride()}) is not dense in memory (a view with gaps); shards are cut in "
@@ -210,7 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- the fragments ---------------------------------------------------------------------------
     def _current_layout(self):
-        reducer = self.model._reducer
+        reducer = self.model._attachment.reducer
         if not reducer.sharded_layout():
             return None  # sharded mode starts at the next forward
         return (reducer.bucket_params(), reducer.bucket_offsets(), reducer.bucket_numels())
@@ -232,7 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _build(self, layout):
         bucket_params, bucket_offsets, numels = layout
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         world = dist.get_world_size(self.model.process_group)
         rank = dist.get_rank(self.model.process_group)
         fragments = []
@@ -270,7 +270,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ensure_fragments()
         if self._inner is None:
             return
-        reducer = self.model._reducer
+        reducer = self.model._attachment.reducer
         step = reducer.completed_steps()
         if step == self._attached_step:
             return
@@ -291,7 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flats = reducer.bucket_flats()
         used = reducer.joined_used_map() if self.model.find_unused_parameters else None
         used = used.cpu() if used is not None else None
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         for f in self._fragments:
             if used is not None and int(used[f.index]) == 0:
                 f.opt.grad = torch.zeros_like(f.opt) if self._zeros_kept else None
@@ -325,7 +325,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One model takes one ShardedOptimizer: the latest (a resumed one replaces the old).
         An older one would read the buckets the newer one's all-gather fills with parameters
         as its gradients."""
-        if self.model._live_sharded_optimizer() is not self:
+        if self.model._attachment.live_sharded_optimizer() is not self:
             raise ShardedOptimizerError(
                 "ShardedOptimizer: a newer ShardedOptimizer was made for this model and replaced "
                 "this one; one model takes one. For different settings per part of the model, "
@@ -341,7 +341,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ShardedOptimizerError(f"ShardedOptimizer: norm_type must be positive (a p-norm, "
                                         f"or inf), got {norm_type}")
-        device = self.model._control_device
+        device = self.model._attachment.control_device
         # Every rank sends float64 (its shards' dtypes can differ from another rank's, and a rank
         # may hold none); the norm comes back in the parameters' widest real dtype, as torch's.
         if norm_type == float("inf"):
@@ -368,7 +368,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameters (bfloat16 for a bfloat16 model, master_dtype or not; float32 for bfloat16 +
         float32; float64 with a float64 or complex128 one): the same on every rank (all know
         every parameter)."""
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         dtypes = [params[i].dtype.to_real() for i in self._group_of]
         return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
@@ -420,10 +420,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         update, and the next backward overwrites it anyway (no memory beyond DDP's buckets).
         All are launched at once; they are finished here, or with overlap_param_gather by the
         next forward (Note [Overlapped parameter all-gather])."""
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         bucket_params, _, numels = self._layout
-        buckets = self.model._reducer.bucket_flats()
-        transport = self.model._transport
+        buckets = self.model._attachment.reducer.bucket_flats()
+        transport = self.model._attachment.transport
         for b, (indices, numel) in enumerate(zip(bucket_params, numels)):
             dtype = params[indices[0]].dtype
             flat = (buckets[b] if buckets[b].dtype == dtype
@@ -443,13 +443,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         before reading parameters outside the model's forward (an EMA, a checkpoint of
         model.module): forward, step(), clip_grad_norm_(), state_dict() and model.state_dict()
         call it."""
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         bucket_params, bucket_offsets, _ = self._layout if self._layout else ((), (), ())
         for b in sorted(self._gathers if buckets is None else buckets):
             if b not in self._gathers:
                 continue
             work, flat = self._gathers.pop(b)
-            work.wait(self.model._timeout_s)
+            work.wait(self.model._attachment.timeout_s)
             indices, offsets = bucket_params[b], bucket_offsets[b]
             _C.scaled_copy([flat[o:o + params[i].numel()] for i, o in zip(indices, offsets)],
                            [_storage_order(params[i].detach()) for i in indices], 1.0)
@@ -473,7 +473,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._hooks_traced = _compiled_inside(self.model.module)
         bucket_of = {index: b for b, indices in enumerate(self._layout[0]) for index in indices}
-        position = {id(p): i for i, p in enumerate(self.model._reducer_params())}
+        position = {id(p): i for i, p in enumerate(self.model._attachment.params)}
         handles = [self._layout]
         for module in self.model.module.modules():
             owned = {bucket_of[position[id(p)]] for p in module._parameters.values()
@@ -488,7 +488,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_hooks = handles
 
     def zero_grad(self, set_to_none=True):
-        self.model._reducer.clear_released_gradients()
+        self.model._attachment.reducer.clear_released_gradients()
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:
@@ -498,7 +498,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for f in self._fragments:
             f.opt.grad = None
         self._zeros_kept = not set_to_none
-        self._cleared_step = self.model._reducer.completed_steps()
+        self._cleared_step = self.model._attachment.reducer.completed_steps()
         self._attached_step = None
 
     # -- checkpoints: the plain optimizer's format ------------------------------------------------
@@ -531,7 +531,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _plain_state(self):
         """{plain index: {key: full tensor or value}}, from the fragments of every rank."""
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         plain_of = {self._index[id(p)]: i for i, p in
                     enumerate(p for group in self.param_groups for p in group["params"])
                     if id(p) in self._index}
@@ -591,7 +591,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _distribute_loaded(self):
         """self.state (full tensors, keyed by parameter) -> the fragments' state; then drops it."""
-        params = self.model._reducer_params()
+        params = self.model._attachment.params
         for f in self._fragments:
             full = self.state.get(params[f.index])
             if not full:

@@ -231,7 +231,7 @@ class Autotuner:
         if self.state == "done":
             return
         now = self.clock.mark()
-        completed = self.model._reducer.completed_steps()
+        completed = self.model._attachment.reducer.completed_steps()
         if self.state == "waiting":
             if completed >= self.min_steps:
                 self._make_plan()
@@ -256,11 +256,11 @@ class Autotuner:
     # -- planning ------------------------------------------------------------------------------
     def _make_plan(self):
         model = self.model
-        reducer = model._reducer
+        reducer = model._attachment.reducer
         self.incumbent = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
-        info = ParamInfo(model._reducer_params(), model.reduce_dtype)
-        latency_us, bytes_per_us = probe_transport(model._transport, model.device, self.group,
-                                                   control_device=model._control_device)
+        info = ParamInfo(model._attachment.params, model.reduce_dtype)
+        latency_us, bytes_per_us = probe_transport(model._attachment.transport, model.device, self.group,
+                                                   control_device=model._attachment.control_device)
         plan = None
         if self.rank == 0:
             try:
@@ -269,7 +269,7 @@ class Autotuner:
                 plan = {"error": f"{type(e).__name__}: {e}"}
         box = [plan]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                   device=self.model._control_device)
+                                   device=self.model._attachment.control_device)
         plan = box[0]
         if "error" in plan:
             self.state = "done"  # tuning abandoned; the limits in force stay
@@ -373,7 +373,7 @@ class Autotuner:
         # Read only now (on CUDA this waits for the trial's last event), per rank before the MAX.
         times = [_INVALID if s is None else self.clock.elapsed_ms(*s) for s in self.pending]
         agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,
-                                   self.model._control_device)
+                                   self.model._attachment.control_device)
         valid = [t for t in agreed if t < _INVALID / 2]
         self.samples[self.current].extend(valid)
         log.debug("rank %d: autotune trial %s round %d: step ms %s", self.rank, self.current,
@@ -422,7 +422,7 @@ class Autotuner:
             best = self.incumbent
         box = [best]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                   device=self.model._control_device)
+                                   device=self.model._attachment.control_device)
         best = tuple(box[0])
         self._set(best)
         self.choice = best
