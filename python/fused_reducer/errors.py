@@ -7,7 +7,7 @@ class FusedReducerError(RuntimeError, ValueError):
 
 
 class ShardedOptimizerError(ValueError):
-    """A ShardedOptimizer cannot be built or stepped as asked (python/fused_reducer/sharded.py)."""
+    """A ShardedOptimizer cannot be built or stepped as asked (python/fused_reducer/sharded/optimizer.py)."""
 
 
 class ShardedGradientError(RuntimeError):

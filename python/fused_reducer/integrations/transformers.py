@@ -13,7 +13,7 @@ built from the Trainer's own arguments: the model is wrapped in ``FusedReducer``
 arguments, ``fused_reducer_kwargs`` win), and ``trainer.model_wrapped`` is that FusedReducer while
 training. Gradient accumulation (``no_sync``), ``max_grad_norm``, evaluation, checkpoints and
 ``train(resume_from_checkpoint=...)``, ``save_model`` (a plain transformers checkpoint) work as
-with DDP; see fused_reducer/accelerate.py for what the accelerator changes.
+with DDP; see fused_reducer/integrations/accelerate.py for what the accelerator changes.
 
 Hook point (not public API, checked at construction):
 ``Trainer.create_accelerator_and_postprocess`` builds the accelerator as ``Accelerator(**args)``

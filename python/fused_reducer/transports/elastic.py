@@ -7,7 +7,7 @@ attempt's gloo group can then read the dead attempt's address of a peer: init_pr
 fails with "Gloo connectFullMesh failed ... Connection refused", or hangs until its timeout.
 Measured here (scripts/restart_study.py, docs/TESTING.md "torchrun restarts"), DDP and
 FusedReducer alike, since it happens before either exists. FusedReducer's own keys live in a
-namespace each new group agrees on and need nothing (python/fused_reducer/transport.py,
+namespace each new group agrees on and need nothing (python/fused_reducer/transports/transport.py,
 attempt_token).
 
     import fused_reducer.elastic
