@@ -25,33 +25,7 @@ std::unique_ptr<Reducer> make_reducer(std::vector<at::Tensor> params,
                                       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                       const std::string& control_device,
                                       std::shared_ptr<fused_reducer::Transport> transport,
-                                      std::vector<int64_t> bucket_caps_bytes,
-                                      bool ddp_first_layout,
-                                      bool gradient_as_bucket_view,
-                                      bool find_unused_parameters,
-                                      bool skip_all_reduce_unused_params,
-                                      double timeout_seconds,
-                                      int64_t last_bucket_bytes,
-                                      std::optional<at::ScalarType> reduce_dtype,
-                                      bool check_finite,
-                                      int64_t straggler_interval,
-                                      int64_t straggler_window,
-                                      double straggler_threshold_ms,
-                                      int64_t straggler_warn_steps) {
-  fused_reducer::ReducerOptions options;
-  options.health.check_finite = check_finite;
-  options.health.straggler_interval = straggler_interval;
-  options.health.straggler_window = straggler_window;
-  options.health.straggler_threshold_ms = straggler_threshold_ms;
-  options.health.straggler_warn_steps = straggler_warn_steps;
-  options.bucket_caps_bytes = std::move(bucket_caps_bytes);
-  options.ddp_first_layout = ddp_first_layout;
-  options.last_bucket_bytes = last_bucket_bytes;
-  options.gradient_as_bucket_view = gradient_as_bucket_view;
-  options.find_unused_parameters = find_unused_parameters;
-  options.skip_all_reduce_unused_params = skip_all_reduce_unused_params;
-  options.reduce_dtype = reduce_dtype;
-  options.timeout = fused_reducer::shm::timeout_from_seconds(timeout_seconds);
+                                      const fused_reducer::ReducerOptions& options) {
   return std::make_unique<Reducer>(std::move(params), std::move(names), group,
                                    at::Device(control_device), std::move(transport), options);
 }
@@ -211,16 +185,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("last_bytes") = 0,
         "Bucket assignment (see Note [Bucket assignment]); returns parameter indices per bucket.");
 
+  // What a Reducer is built with (ext/reducer_options.h): fields read and written by name.
+  using fused_reducer::HealthOptions;
+  using fused_reducer::ReducerOptions;
+  py::class_<HealthOptions>(m, "HealthOptions")
+      .def(py::init<>())
+      .def_readwrite("check_finite", &HealthOptions::check_finite)
+      .def_readwrite("straggler_interval", &HealthOptions::straggler_interval)
+      .def_readwrite("straggler_window", &HealthOptions::straggler_window)
+      .def_readwrite("straggler_threshold_ms", &HealthOptions::straggler_threshold_ms)
+      .def_readwrite("straggler_warn_steps", &HealthOptions::straggler_warn_steps);
+  py::class_<ReducerOptions>(m, "ReducerOptions")
+      .def(py::init<>())
+      .def_readwrite("bucket_caps_bytes", &ReducerOptions::bucket_caps_bytes)
+      .def_readwrite("ddp_first_layout", &ReducerOptions::ddp_first_layout)
+      .def_readwrite("last_bucket_bytes", &ReducerOptions::last_bucket_bytes)
+      .def_readwrite("gradient_as_bucket_view", &ReducerOptions::gradient_as_bucket_view)
+      .def_readwrite("find_unused_parameters", &ReducerOptions::find_unused_parameters)
+      .def_readwrite("skip_all_reduce_unused_params",
+                     &ReducerOptions::skip_all_reduce_unused_params)
+      .def_property(
+          "timeout_seconds",
+          [](const ReducerOptions& options) {
+            return std::chrono::duration<double>(options.timeout).count();
+          },
+          [](ReducerOptions& options, double seconds) {
+            options.timeout = fused_reducer::shm::timeout_from_seconds(seconds);
+          })
+      .def_readwrite("reduce_dtype", &ReducerOptions::reduce_dtype)
+      .def_readwrite("health", &ReducerOptions::health);
+
   py::class_<Reducer>(m, "Reducer")
       .def(py::init(&make_reducer), py::arg("params"), py::arg("names"), py::arg("group"),
-           py::arg("control_device"), py::arg("transport"), py::arg("bucket_caps_bytes"),
-           py::arg("ddp_first_layout"),
-           py::arg("gradient_as_bucket_view"), py::arg("find_unused_parameters"),
-           py::arg("skip_all_reduce_unused_params"),
-           py::arg("timeout_seconds"), py::arg("last_bucket_bytes") = 0,
-           py::arg("reduce_dtype") = py::none(), py::arg("check_finite") = false,
-           py::arg("straggler_interval") = 10, py::arg("straggler_window") = 10,
-           py::arg("straggler_threshold_ms") = 0.0, py::arg("straggler_warn_steps") = 20)
+           py::arg("control_device"), py::arg("transport"), py::arg("options"))
       .def("prepare_forward", &Reducer::prepare_forward, py::arg("will_sync"),
            py::call_guard<py::gil_scoped_release>())
       .def("on_outputs_reached", &Reducer::on_outputs_reached,
