@@ -309,8 +309,8 @@ MUTATIONS = [
     dict(
         id="timeout-not-passed-to-reducer",
         file=REDUCER_PY,
-        edits=[("            timeout_seconds=self._timeout_s, last_bucket_bytes=last_bytes,",
-                "            timeout_seconds=600.0, last_bucket_bytes=last_bytes,")],
+        edits=[("        options.timeout_seconds = self._timeout_s\n",
+                "        options.timeout_seconds = 600.0\n")],
         why="timeout= reaches the transport but not the C++ reducer: its waits use the default "
             "10 minutes",
         tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
