@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How well does the planner's model (python/fused_reducer/costmodel.py) predict measured steps?
+"""How well does the planner's model (python/fused_reducer/tuning/costmodel.py) predict measured steps?
 
     python bench/allreduce_bw.py -b 16K -e 128M -f 2 -n 10 -w 2 --trials 3 -c 0 --impl fused \\
         --json bench/out/bw_w2.json                                   # calibration, world 2

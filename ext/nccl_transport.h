@@ -48,7 +48,7 @@ namespace fused_reducer {
 // two communicators of the same devices can deadlock. DDP does not have this
 // rule, because it uses one communicator (the process group's) for buckets,
 // SyncBatchNorm and comm hooks alike. So the NCCL transport is never combined
-// with those (Note [One NCCL communicator] in python/fused_reducer/reducer.py):
+// with those (Note [One NCCL communicator] in python/fused_reducer/core/wrapper.py):
 // backend="auto" picks the process group for a model with an NCCL
 // SyncBatchNorm, and an explicit backend="nccl" with one, or a comm hook
 // registered while this transport is in use, raises naming

@@ -265,7 +265,7 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 }
 
 // Note [Sharded mode]
-// With a ShardedOptimizer (python/fused_reducer/sharded.py) each bucket is
+// With a ShardedOptimizer (python/fused_reducer/sharded/optimizer.py) each bucket is
 // reduce-scattered instead of all-reduced: rank r's shard of the flat buffer
 // (the r-th of world_size equal parts; buckets are padded so that every shard
 // has the same size and starts 16-byte aligned, Note [Slot layout]) holds the
@@ -284,7 +284,7 @@ void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
 // A released gradient is not left None: torch utilities that read param.grad
 // (clip_grad_norm_ over model.parameters(), GradScaler.unscale_, a norm logged
 // by hand) would then silently see no gradient and compute something else.
-// param.grad becomes a placeholder instead (python/fused_reducer/reducer.py,
+// param.grad becomes a placeholder instead (python/fused_reducer/core/wrapper.py,
 // _ReleasedGradient: the parameter's metadata, no storage) whose every use
 // raises naming the parameter and opt.clip_grad_norm_. It stays through the
 // optimizer's step() (a plain optimizer leaves param.grad set, and code that

@@ -288,7 +288,8 @@ def check_lightning_timeout_reaches_the_reducer(rank, world):
             return getattr(real_c, name)
 
         def Reducer(self, *args, **kwargs):  # noqa: N802 - stands in for the class
-            seen.setdefault("reducer", []).append(kwargs["timeout_seconds"])
+            options = kwargs["options"] if "options" in kwargs else args[5]
+            seen.setdefault("reducer", []).append(options.timeout_seconds)
             return real_c.Reducer(*args, **kwargs)
 
     def make_transport(group, device, backend, timeout_s, **kwargs):

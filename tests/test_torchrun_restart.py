@@ -7,7 +7,7 @@ Attempt 0 trains with FusedReducer(backend='auto'), rank 0 checkpoints after 4 s
 SIGKILLs itself in the middle of step 6; torchrun restarts both ranks. Attempt 1 loads the
 checkpoint and trains to step 10. torchrun's agent store (the c10d rendezvous shares it with the
 workers) outlives attempt 0, with attempt 0's FusedReducer keys in it: before the fix (store keys
-per TORCHELASTIC_RESTART_COUNT, python/fused_reducer/transport.py) attempt 1 read attempt 0's
+per TORCHELASTIC_RESTART_COUNT, python/fused_reducer/transports/transport.py) attempt 1 read attempt 0's
 answers (its unlinked segment's name, its ranks' "ok") and backend='auto' silently fell back to
 the process group on both ranks, or on one of them, leaving the other waiting in shared memory
 for a peer that never came. Asserted: the launcher exits 0; every attempt uses backend 'shm' on
