@@ -101,17 +101,22 @@ def main():
         for p in spinners:
             p.kill()
             p.wait()
-    warned = sum(1 for r in balanced if r["warnings"])
-    named = sum(1 for r in balanced if any(e["stragglers"] for e in r["exchanges"]))
-    steps = [e["median_step_ms"] for r in balanced for e in r["exchanges"]]
-    print(f"balanced, {args.runs} runs x {args.steps} steps beside {args.busy} busy loops "
-          f"(median step {statistics.median(steps):.1f} ms): {warned} with a warning, "
-          f"{named} with a rank named at some exchange")
-    first_named = [next((e["step"] for e in r["exchanges"] if 1 in e["stragglers"]), None)
-                   for r in late]
-    warned_late = [bool(r["warnings"]) for r in late]
-    print(f"rank 1 late by {args.late_fraction:.0%} of its step, {args.late_runs} runs: first "
-          f"named at steps {first_named}; warned in {sum(warned_late)} of {args.late_runs}")
+    if balanced:
+        warned = sum(1 for r in balanced if r["warnings"])
+        named = sum(1 for r in balanced if any(e["stragglers"] for e in r["exchanges"]))
+        steps = [e["median_step_ms"] for r in balanced for e in r["exchanges"]]
+        print(f"balanced, {args.runs} runs x {args.steps} steps beside {args.busy} busy loops "
+              f"(median step {statistics.median(steps):.1f} ms): {warned} with a warning, "
+              f"{named} with a rank named at some exchange")
+    if late:
+        first_named = [next((e["step"] for e in r["exchanges"] if 1 in e["stragglers"]), None)
+                       for r in late]
+        warned_late = [bool(r["warnings"]) for r in late]
+        steps = [e["median_step_ms"] for r in late for e in r["exchanges"]]
+        print(f"rank 1 late by {args.late_fraction:.0%} of its step, {args.late_runs} runs x "
+              f"{args.steps} steps beside {args.busy} busy loops (median step "
+              f"{statistics.median(steps):.1f} ms): first named at steps {first_named}; warned "
+              f"in {sum(warned_late)} of {args.late_runs}")
     if args.json:
         common.write_json(args.json, {"meta": {"runs": args.runs, "late_runs": args.late_runs,
                                                "steps": args.steps, "busy": args.busy,
