@@ -358,6 +358,21 @@ def test_norm_reference_smoke_ours_is_the_float64_norm(tmp_path):
         assert {"torch@1", "torch@2"} <= set(r), r
 
 
+def test_straggler_noise_smoke_counts_warnings_and_names_a_late_rank(tmp_path):
+    """bench/straggler_noise.py (docs/HEALTH.md's measurement of the straggler threshold): a
+    balanced run and a run with rank 1 late by 40 % of its step, no busy loops; the late rank is
+    named at some exchange and the JSON holds every exchange."""
+    out_json = tmp_path / "straggler.json"
+    res = run_bench("straggler_noise.py", "--runs", "1", "--late-runs", "1", "--steps", "30",
+                    "--busy", "0", "--late-fraction", "0.4", "--json", str(out_json))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "with a warning" in res.stdout and "first named at steps" in res.stdout, res.stdout
+    out = json.loads(out_json.read_text())
+    assert [e["step"] for e in out["balanced"][0]["exchanges"]] == [10, 20, 30]
+    late = out["late"][0]["exchanges"]
+    assert any(1 in e["stragglers"] for e in late), late
+
+
 def test_step_bench_names_the_bench_extra_when_a_library_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
     with pytest.raises(models.MissingLibrary, match=r"pip install '\.\[bench\]'"):
