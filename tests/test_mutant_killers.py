@@ -863,8 +863,13 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
     """No spawn: FusedReducer's join hook on a stand-in model. Per shadowed step a joined rank
     issues what a training rank's backward issues, in the same order (DDP's join hook: one
     all-reduce per bucket, then the unused-parameter map with find_unused_parameters)."""
-    from types import SimpleNamespace
     from fused_reducer import join as join_module
+    from fused_reducer.core.attachment import Attachment
+
+    class StandIn:  # the wrapper's attributes the attachment reads (weakly referenced)
+        def __init__(self, **attributes):
+            self.__dict__.update(attributes)
+            self._attachment = Attachment(self)
 
     calls = []
 
@@ -895,7 +900,7 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
 
     for find_unused in (False, True):
         calls.clear()
-        model = SimpleNamespace(
+        model = StandIn(
             _reducer=Reducer(), _transport=Transport(), _comm_hook=None,
             find_unused_parameters=find_unused, _param_names=["a", "b", "c"],
             device=torch.device("cpu"), _will_sync_buffers=lambda: False)
