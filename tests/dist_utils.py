@@ -303,6 +303,16 @@ class SelectedChecks:
         return run_checks(checks, world_size, timeout=timeout)
 
 
+def train_squares(model, steps, rank, width):
+    """`steps` backward passes of mean(model(x)^2) on a 4 x `width` batch seeded by step and rank
+    (different data on every rank, the same on every run)."""
+    import torch
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, width, generator=g)).pow(2).mean().backward()
+
+
 def assert_small(values, what, tol=1e-6):
     """Every value a float no larger than tol (and at least one)."""
     assert values, f"{what}: nothing compared"

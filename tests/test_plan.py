@@ -22,7 +22,7 @@ import tempfile
 
 import pytest
 
-from dist_utils import per_rank, run_checks
+from dist_utils import per_rank, run_checks, train_squares
 
 MiB = 1 << 20
 
@@ -630,11 +630,7 @@ def make_model():
 
 
 def train(model, steps, rank):
-    import torch
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        model.zero_grad(set_to_none=True)
-        model(torch.randn(4, 128, generator=g)).pow(2).mean().backward()
+    train_squares(model, steps, rank, width=128)
 
 
 def check_profile_round_trip(rank, world_size):

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from dist_utils import results, run_checks
+from dist_utils import results, run_checks, train_squares
 
 IGNORED = ["1.bias"]
 
@@ -37,11 +37,7 @@ def build(rank, group=None):
 
 
 def train(model, steps, rank):
-    import torch
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        model.zero_grad(set_to_none=True)
-        model(torch.randn(4, 64, generator=g)).pow(2).mean().backward()
+    train_squares(model, steps, rank, width=64)
 
 
 def check_profile_export(rank, world_size):
