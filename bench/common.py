@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fused_reducer.testing.launch import (connect_store, rendezvous_store, start_ranks,
+                                          wait_for_exit_codes)
+
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +150,7 @@ def _usable_cpus():
         return os.cpu_count() or 1
 
 
-def _setup_rank(args, rank, world_size, local_rank, local_world, launcher, init_method=None):
+def _setup_rank(args, rank, world_size, local_rank, local_world, launcher, store=None):
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if launcher == "torchrun" and torch.cuda.is_available() else "gloo"
@@ -162,21 +165,21 @@ def _setup_rank(args, rank, world_size, local_rank, local_world, launcher, init_
     torch.set_num_threads(threads)
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=args.timeout))
-    if init_method:
-        kwargs["init_method"] = init_method
+    if store is not None:
+        kwargs["store"] = store
     if backend == "nccl":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     return Context(rank, world_size, local_rank, backend, device, launcher)
 
 
-def _spawned_entry(rank, world_size, port, worker, args):
+def _spawned_entry(rank, world_size, store_port, worker, args):
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGBUS) prints where it was
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or max(1, _usable_cpus() // world_size)))
     code = 1
     try:
         ctx = _setup_rank(args, rank, world_size, rank, world_size, "spawn",
-                          init_method=f"tcp://127.0.0.1:{port}")
+                          store=connect_store(store_port, args.timeout))
         code = int(worker(ctx, args) or 0)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -198,12 +201,6 @@ def _spawned_entry(rank, world_size, port, worker, args):
     os._exit(code)  # skip interpreter teardown of gloo/cuda threads
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(worker, args):
     """Run ``worker(ctx, args)`` on every rank; return the process exit code (0 = success).
 
@@ -221,40 +218,13 @@ def launch(worker, args):
         finally:
             dist.destroy_process_group()
 
-    import torch.multiprocessing as mp
     if args.nranks < 1:
         raise SystemExit("--nranks must be at least 1")
-    mpctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [mpctx.Process(target=_spawned_entry, args=(r, args.nranks, port, worker, args))
-             for r in range(args.nranks)]
-    for p in procs:
-        p.start()
-    failed_at = None
-    try:
-        while any(p.is_alive() for p in procs):
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > 10:
-                break
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        pass
-    killed = set()
-    for rank, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            killed.add(rank)
-        p.join()
-    codes = [p.exitcode for p in procs]
-    bad = [c for c in codes if c != 0]
-    if not bad:
-        return 0
-    for rank, code in enumerate(codes):
-        if code is not None and code < 0 and rank not in killed:
-            print(f"[rank {rank}] died by signal {-code}", file=sys.stderr, flush=True)
-    positive = [c for c in bad if c is not None and c > 0]
-    return max(positive) if positive else 1
+    store = rendezvous_store()  # the ranks meet on it: no port picked and released (launch.py)
+    procs = start_ranks(_spawned_entry, args.nranks, store, (worker, args))
+    code = wait_for_exit_codes(procs, grace_s=10)
+    del store
+    return code
 
 
 # -- output ---------------------------------------------------------------------------------------

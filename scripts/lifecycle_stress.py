@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "lifecycle_worker.py")
 sys.path.insert(0, HERE)
 from lifecycle_worker import ENDINGS  # noqa: E402
+from fused_reducer.testing.launch import reserved_port, wait_all  # noqa: E402
 
 TWO_NODE_ENDINGS = {"two-nodes": "plain-exit", "two-nodes-agent-sigterm": "agent-sigterm"}
 ALL_ENDINGS = sorted(e for e in ENDINGS if e != "agent-sigterm") + sorted(TWO_NODE_ENDINGS)
@@ -53,12 +53,6 @@ PEER_SLACK_S = 15.0
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
                       "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env():
@@ -85,25 +79,6 @@ def segments_of(pids):
     return found
 
 
-def wait_all(procs, deadline):
-    """Wait for every process until `deadline`; kill (the whole session) whatever still runs.
-    Returns the names of the processes that had to be killed."""
-    hung = []
-    for name, proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(name)
-    for name, proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return hung
-
-
 def read_json(path):
     try:
         with open(path) as f:
@@ -113,36 +88,36 @@ def read_json(path):
 
 
 def launch_ranks(ending, backend, world, outdir, timeout_s, run_timeout_s):
-    port = free_port()
     procs = []
-    for rank in range(world):
-        env = base_env()
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        log = open(os.path.join(outdir, f"rank{rank}.log"), "w")
-        cmd = [sys.executable, WORKER, "--ending", ending, "--backend", backend,
-               "--outdir", outdir, "--timeout-s", str(timeout_s)]
-        procs.append((f"rank {rank}", subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
-                                                       start_new_session=True)))
-    hung = wait_all(procs, time.monotonic() + run_timeout_s)
+    with reserved_port() as port:  # rank 0 binds it (env://); reserved until the run ends
+        for rank in range(world):
+            env = base_env()
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = open(os.path.join(outdir, f"rank{rank}.log"), "w")
+            cmd = [sys.executable, WORKER, "--ending", ending, "--backend", backend,
+                   "--outdir", outdir, "--timeout-s", str(timeout_s)]
+            procs.append((f"rank {rank}", subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
+                                                           start_new_session=True)))
+        hung = wait_all(procs, time.monotonic() + run_timeout_s)
     return {name: proc.returncode for name, proc in procs}, hung
 
 
 def launch_two_nodes(ending, backend, outdir, timeout_s, run_timeout_s):
     """Two torchrun agents on loopback as two nodes, one rank each, c10d rendezvous, running the
     worker's ending TWO_NODE_ENDINGS[ending]."""
-    port = free_port()
     procs = []
-    for node in range(2):
-        log = open(os.path.join(outdir, f"agent{node}.log"), "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"life{port}",
-               "--monitor-interval", "0.5", WORKER, "--ending", TWO_NODE_ENDINGS[ending],
-               "--backend", backend, "--outdir", outdir, "--timeout-s", str(timeout_s)]
-        procs.append((f"agent {node}", subprocess.Popen(cmd, env=base_env(), stdout=log,
-                                                        stderr=log, start_new_session=True)))
-    hung = wait_all(procs, time.monotonic() + run_timeout_s)
+    with reserved_port() as port:  # the first agent hosts the rendezvous store on it
+        for node in range(2):
+            log = open(os.path.join(outdir, f"agent{node}.log"), "w")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"life{port}",
+                   "--monitor-interval", "0.5", WORKER, "--ending", TWO_NODE_ENDINGS[ending],
+                   "--backend", backend, "--outdir", outdir, "--timeout-s", str(timeout_s)]
+            procs.append((f"agent {node}", subprocess.Popen(cmd, env=base_env(), stdout=log,
+                                                            stderr=log, start_new_session=True)))
+        hung = wait_all(procs, time.monotonic() + run_timeout_s)
     return {name: proc.returncode for name, proc in procs}, hung
 
 

@@ -30,11 +30,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from fused_reducer.testing.launch import reserved_port, wait_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "torchrun_restart_worker.py")
@@ -46,12 +47,6 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 # Where a failing run's traceback ends decides whose failure it is.
 UPSTREAM_MARKERS = ("connectFullMesh", "init_process_group", "rendezvous", "RendezvousError",
                     "ProcessGroupGloo", "TCPStore")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment(scrub):
@@ -67,12 +62,13 @@ def environment(scrub):
     return env
 
 
-def commands(setup, wrapper, outdir):
+def commands(setup, wrapper, outdir, port):
+    """The launcher commands of one run; `port` (two-nodes: the rendezvous endpoint, hosted by the
+    first agent) is held reserved by the caller until the run ends."""
     common = ["--max-restarts", "1", "--monitor-interval", "0.5", WORKER, outdir, wrapper]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if setup == "standalone":
         return [torchrun + ["--standalone", "--nproc-per-node", "2"] + common]
-    port = free_port()
     return [torchrun + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart{port}"]
             + common for _ in range(2)]
@@ -97,20 +93,14 @@ def run_once(setup, wrapper, scrub, outdir, run_timeout_s):
     """(verdict, detail, seconds)."""
     started = time.monotonic()
     procs = []
-    for i, cmd in enumerate(commands(setup, wrapper, outdir)):
-        log = open(os.path.join(outdir, f"agent{i}.log"), "w")
-        procs.append(subprocess.Popen(cmd, env=environment(scrub), cwd=outdir, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    hung = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, started + run_timeout_s - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with reserved_port() as port:
+        for i, cmd in enumerate(commands(setup, wrapper, outdir, port)):
+            log = open(os.path.join(outdir, f"agent{i}.log"), "w")
+            procs.append((f"agent {i}", subprocess.Popen(
+                cmd, env=environment(scrub), cwd=outdir, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)))
+        hung = bool(wait_all(procs, started + run_timeout_s))
+    procs = [proc for _, proc in procs]
     end_stray_workers(outdir)
     elapsed = time.monotonic() - started
     output = "".join(open(p, errors="replace").read()

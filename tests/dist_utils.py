@@ -1,8 +1,9 @@
 """Run a function on N gloo ranks (spawned processes on 127.0.0.1) and collect the results.
 
 How it avoids races, cascades and silent hangs:
-- Rendezvous: the parent creates a TCPStore on port 0 before any rank starts and passes its port;
-  nothing picks a "free" port that another test could take in between, and gloo binds its own.
+- Rendezvous: the parent creates a TCPStore on port 0 before any rank starts and passes its port
+  (fused_reducer.testing.launch, the launcher the benchmarks and scripts share); nothing picks a
+  "free" port that another test could take in between, and gloo binds its own.
 - Timeouts, innermost first (each layer reports before the next one fires):
     PG_TIMEOUT (60 s; pg_timeout= per spawn, e.g. for checks whose ranks compile at different
       speeds): a gloo collective raises instead of waiting torch's default 30 minutes, and a
@@ -25,7 +26,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -33,6 +33,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fused_reducer.testing.launch import connect_store, rendezvous_store, start_ranks, stop_ranks
 
 PG_TIMEOUT = 60
 
@@ -54,13 +56,6 @@ def set_test_deadline(deadline):
     """Called by conftest.py around each test (None: no pytest-timeout)."""
     global _test_deadline
     _test_deadline = deadline
-
-
-def free_port():
-    """A port that was free a moment ago (racy; for tests that init a group themselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- in each rank ----------------------------------------------------------------------------------
@@ -89,7 +84,7 @@ def _drop_group():
             pass
 
 
-def _entry(rank, world_size, fn, args, queue, port, workdir, pg_timeout, life):
+def _entry(rank, world_size, port, fn, args, queue, workdir, pg_timeout, life):
     global _store
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -100,8 +95,7 @@ def _entry(rank, world_size, fn, args, queue, port, workdir, pg_timeout, life):
     faulthandler.dump_traceback_later(life, exit=True, file=stacks)  # outlive no parent
     _rank_info.update(rank=rank, world_size=world_size, pg_timeout=pg_timeout)
     try:
-        _store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                               timeout=timedelta(seconds=pg_timeout))
+        _store = connect_store(port, pg_timeout)
         _status("in init_process_group")
         _init_group("start")
         _status(f"in {fn.__name__}")
@@ -128,17 +122,12 @@ def _spawn(fn, world_size, args, timeout, reporting, pg_timeout, keys=()):
     if _test_deadline is not None:  # report before pytest-timeout cuts the test off
         timeout = max(10, min(timeout, _test_deadline - time.monotonic() - HARNESS_MARGIN))
     reporting = set(range(world_size) if reporting is None else reporting)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=10))
+    queue = mp.get_context("spawn").Queue()
+    store = rendezvous_store()
     outcomes, lost, stored = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="fused_reducer_ranks_") as workdir:
-        procs = [ctx.Process(target=_entry, args=(r, world_size, fn, args, queue, store.port, workdir,
-                                                  pg_timeout, timeout + 60))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = start_ranks(_entry, world_size, store,
+                            (fn, args, queue, workdir, pg_timeout, timeout + 60))
         start = time.monotonic()
         died = {}  # rank -> when it was first seen dead without having reported
         first_report = None
@@ -186,11 +175,7 @@ def _spawn(fn, world_size, args, timeout, reporting, pg_timeout, keys=()):
                     stored[key] = store.get(key)
             finished = not lost
         finally:
-            for p in procs:
-                p.join(timeout=10 if finished else 0)  # ranks that reported tear down their groups
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+            stop_ranks(procs, 10 if finished else 0)  # ranks that reported tear down their groups
             queue.close()
             del store
     return outcomes, lost, stored

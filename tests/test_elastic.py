@@ -8,7 +8,6 @@ the keys torch's groups wrote in the dead attempt (listed around init_process_gr
 FusedReducer's and the job's own are kept; restart_failure() blames torch only in a restarted
 attempt over the agent store, with the advice that fits."""
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
@@ -17,16 +16,16 @@ from torch import nn
 import fused_reducer
 import fused_reducer.elastic as elastic
 import fused_reducer.reducer as reducer_module
+from fused_reducer.testing.launch import reserved_port
 
 RESTARTED = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 @pytest.fixture
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with reserved_port() as port:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_reducer
 from fused_reducer import _C
-from dist_utils import free_port
+from fused_reducer.testing.launch import reserved_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,8 +68,9 @@ def test_nccl_transport_times_out_when_a_peer_never_joins():
 @pytest.fixture(scope="module")
 def nccl_world_of_one():
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
+    with reserved_port() as port:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
 

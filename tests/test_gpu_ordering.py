@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_reducer
 from fused_reducer import _C
-from dist_utils import free_port, per_rank, run_checks
+from fused_reducer.testing.launch import reserved_port
+from dist_utils import per_rank, run_checks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,8 +41,9 @@ SLEEP_CYCLES = 400_000_000  # ~200 ms at ~2 GHz
 @pytest.fixture(scope="module")
 def nccl_world_of_one():
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
+    with reserved_port() as port:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
 

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import free_port
+from fused_reducer.testing.launch import reserved_port
 from test_torchrun_restart import require_torchrun, worker_environment
 
 pytest.importorskip("transformers")
@@ -55,21 +55,25 @@ def launch(outdir, launcher, worker_args):
     else:  # accelerate's torchrun-based launcher; the worker asks for the CPU (cpu=True/use_cpu)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    proc = subprocess.Popen(cmd + [WORKER] + worker_args, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=worker_environment(),
-                            cwd=outdir, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+               "--dynamo_backend", "no", "--main_process_port"]
+    # The port stays reserved until the run has ended (fused_reducer.testing.launch).
+    with reserved_port() as port:
+        if launcher != "torchrun":
+            cmd.append(str(port))
+        proc = subprocess.Popen(cmd + [WORKER] + worker_args, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=worker_environment(),
+                                cwd=outdir, start_new_session=True)
         try:
-            output, _ = proc.communicate(timeout=15)
+            output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(worker_args)} did not finish in {LAUNCH_TIMEOUT_S} s:\n"
-                    f"{output[-6000:]}")
+            proc.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+            try:
+                output, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+            pytest.fail(f"{' '.join(worker_args)} did not finish in {LAUNCH_TIMEOUT_S} s:\n"
+                        f"{output[-6000:]}")
     assert proc.returncode == 0, f"{' '.join(worker_args)} failed:\n{output[-8000:]}"
 
 

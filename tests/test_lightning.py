@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,12 +37,6 @@ def _installed(name):
 _HAVE_LIGHTNING = _installed("pytorch_lightning") or _installed("lightning")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the launch (pytest side) ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -52,21 +45,25 @@ def outcomes(tmp_path_factory):
         pytest.importorskip("lightning.pytorch", reason="Lightning is not installed "
                             "(pip install fused_reducer[lightning])")
     import torch
+    from fused_reducer.testing.launch import reserved_port
     out_dir = tmp_path_factory.mktemp("lightning")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PL_DISABLE_FORK="1", FUSED_REDUCER_TEST_OUT=str(out_dir))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__]
+           "--master-addr", "127.0.0.1", "--master-port", None, __file__]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=str(out_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-rank Lightning run did not finish within {LAUNCH_TIMEOUT_S}s "
-                    f"(hang?); its output:\n{log[-6000:]}")
+    # The port stays reserved until the run has ended (fused_reducer.testing.launch).
+    with reserved_port() as port:
+        cmd[cmd.index(None)] = str(port)
+        proc = subprocess.Popen(cmd, env=env, cwd=str(out_dir), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+            log, _ = proc.communicate()
+            pytest.fail(f"the 2-rank Lightning run did not finish within {LAUNCH_TIMEOUT_S}s "
+                        f"(hang?); its output:\n{log[-6000:]}")
     elapsed = time.monotonic() - start
     results = []
     for rank in range(2):
