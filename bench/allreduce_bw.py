@@ -39,6 +39,7 @@ implementation can run here.
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -450,7 +451,7 @@ def worker(ctx, args):
         for impl in impls:
             cells = {}
             for inplace in (False, True):
-                us = common.median(times[(impl.name, inplace)])
+                us = statistics.median(times[(impl.name, inplace)])
                 wrong = (check_case(ctx, impl, data, send, recv, inplace, impl.name in corrupt)
                          if args.check else None)
                 algbw, busbw = bandwidths(nbytes, us, ctx.world_size)

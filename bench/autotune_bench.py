@@ -33,6 +33,7 @@ TRACE.json --trace-png OUT.png renders an existing trace without running anythin
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -41,7 +42,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import models as zoo  # noqa: E402
 import step_bench  # noqa: E402
+from step import measure  # noqa: E402
 from report import render_trace  # noqa: E402
 
 MiB = 1024 * 1024
@@ -60,8 +63,8 @@ def fmt(candidate):
 
 
 def timed(ctx, model, x):
-    """Step ms (step_bench.timed_step also returns backward's host ms, not used here)."""
-    step_ms, _backward_ms = step_bench.timed_step(ctx, model, x, False)
+    """Step ms (measure.timed_step also returns backward's host ms, not used here)."""
+    step_ms, _backward_ms = measure.timed_step(ctx, model, x, False)
     return step_ms
 
 
@@ -102,8 +105,8 @@ def sweep_candidates(model):
 
 
 def worker(ctx, args):
-    d = step_bench.MODEL_DEFAULTS[args.model]
-    spec = step_bench.ModelSpec(args.model, args.layers or d["layers"], args.hidden or d["hidden"],
+    d = zoo.MODEL_DEFAULTS[args.model]
+    spec = zoo.ModelSpec(args.model, args.layers or d["layers"], args.hidden or d["hidden"],
                                 args.batch or d["batch"], args.seq or d["seq"], args.seed)
     info = spec.describe(spec.build("cpu"))
     meta = common.collect_meta(ctx, extra={"benchmark": "autotune_bench"})
@@ -135,9 +138,9 @@ def worker(ctx, args):
         set_limits(model, candidate)
         timed(ctx, model, next_input())  # rebuild + warm-up
         times = slowest(ctx, [timed(ctx, model, next_input()) for _ in range(args.sweep_steps)])
-        sweep.append({"candidate": list(candidate), "median_ms": common.median(times),
+        sweep.append({"candidate": list(candidate), "median_ms": statistics.median(times),
                       "times_ms": times, "buckets": len(model.bucket_sizes())})
-        progress(f"sweep {n + 1}/{len(candidates)}: {fmt(candidate)}: {common.median(times):.1f} ms")
+        progress(f"sweep {n + 1}/{len(candidates)}: {fmt(candidate)}: {statistics.median(times):.1f} ms")
     sweep_steps = len(candidates) * (1 + args.sweep_steps)
     best = min(sweep, key=lambda r: r["median_ms"])
     sweep_best = tuple(best["candidate"])
@@ -182,8 +185,8 @@ def worker(ctx, args):
             final[name].append(timed(ctx, models[name], x))
         progress(f"final {r + 1}/{args.final_steps}")
     final = {name: slowest(ctx, v) for name, v in final.items()}
-    med = {name: common.median(final[fmt(c)]) for name, c in configs.items()}
-    med["default, 2nd instance"] = common.median(final["default, 2nd instance"])
+    med = {name: statistics.median(final[fmt(c)]) for name, c in configs.items()}
+    med["default, 2nd instance"] = statistics.median(final["default, 2nd instance"])
     trace_path = None
     if args.trace_png or args.trace_json:
         trace_path = args.trace_json or os.path.join(os.path.dirname(args.trace_png) or ".",
@@ -254,7 +257,7 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="autotune_bench.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     m = parser.add_argument_group("model (bench/step_bench.py's models)")
-    m.add_argument("--model", choices=step_bench.MODELS, default="large")
+    m.add_argument("--model", choices=zoo.MODELS, default="large")
     m.add_argument("--layers", type=step_bench._positive_int, default=None)
     m.add_argument("--hidden", type=step_bench._positive_int, default=None)
     m.add_argument("--batch", type=step_bench._positive_int, default=None)

@@ -335,17 +335,3 @@ def meta_label(meta):
     return (f"{meta['hostname']} ({where}, {meta['usable_cpus']} cores) - world {meta['world_size']} "
             f"{meta['backend']} - torch {meta['torch_version']} - {meta['date'][:10]}")
 
-
-def percentile(values, q):
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def median(values):
-    return percentile(values, 50)

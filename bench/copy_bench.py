@@ -20,18 +20,17 @@ copies after --warmup; the median of 5 repeats is reported. Needs a GPU and a CU
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 
 import torch
 
 import fused_reducer
 from fused_reducer import _C
 
-
-def parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import parse_size  # noqa: E402  (K/M/G: powers of 1024, as the other benchmarks)
 
 
 SLOT_ALIGN_BYTES = 16  # kSlotAlignBytes in ext/reducer.cpp, Note [Slot layout]

@@ -20,9 +20,11 @@ norm against float64 over the same gradients (one more, untimed step).
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,9 +76,9 @@ def worker(ctx, args):
         torch_vs_f64 = abs(float(theirs) - exact["clip_torch"]) / exact["clip_torch"]
         row = {"model": name}
         for r in ROWS:
-            row[r] = {"median_ms": common.median(times[r]),
-                      "p25_ms": common.percentile(times[r], 25),
-                      "p75_ms": common.percentile(times[r], 75)}
+            row[r] = {"median_ms": statistics.median(times[r]),
+                      "p25_ms": float(np.percentile(times[r], 25)),
+                      "p75_ms": float(np.percentile(times[r], 75))}
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
         row["clip_ours_over_torch"] = row["clip_ours"]["median_ms"] / row["clip_torch"]["median_ms"]
         row["norm_rel_diff"] = norm_diff

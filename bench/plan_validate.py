@@ -39,7 +39,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import models as zoo  # noqa: E402
 import step_bench  # noqa: E402
+from step import configs, measure  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -47,12 +49,12 @@ MiB = 1024 * 1024
 # -- record ---------------------------------------------------------------------------------------
 def record_worker(ctx, args):
     for name in args.model:
-        d = step_bench.MODEL_DEFAULTS[name]
-        spec = step_bench.ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
+        d = zoo.MODEL_DEFAULTS[name]
+        spec = zoo.ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
                                     args.batch or d["batch"], args.seq or d["seq"], args.seed)
-        model = step_bench.make_fused(spec.build(ctx.device), args.first_mb, args.cap_mb, False)
+        model = configs.make_fused(spec.build(ctx.device), args.first_mb, args.cap_mb, False)
         for index in range(args.warmup + args.steps):
-            step_bench.train_step(ctx, model, spec.input(ctx.rank, index, ctx.device), False)
+            measure.train_step(ctx, model, spec.input(ctx.rank, index, ctx.device), False)
         model.trace_steps = max(model.trace_steps, args.steps)
         path = model.export_profile(os.path.join(args.out, f"profile_{name}.json"))
         common.print0(ctx, f"# {name}: wrote {path}")
@@ -88,16 +90,16 @@ def measure_worker(ctx, args):
                 "on every rank)"})
     rows, models_info = [], []
     for name in args.model:
-        d = step_bench.MODEL_DEFAULTS[name]
-        spec = step_bench.ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
+        d = zoo.MODEL_DEFAULTS[name]
+        spec = zoo.ModelSpec(name, args.layers or d["layers"], args.hidden or d["hidden"],
                                     args.batch or d["batch"], args.seq or d["seq"], args.seed)
         info = spec.describe(spec.build("cpu"))
         models_info.append(info)
         # The recording reducer first; then the cells (a cell may repeat its layout: it is
         # still timed as its own reducer, which shows the spread of identical layouts).
-        variants = [("record", step_bench.make_fused(spec.build(ctx.device), args.first_mb,
+        variants = [("record", configs.make_fused(spec.build(ctx.device), args.first_mb,
                                                      args.cap_mb, False))]
-        variants += [(cell, step_bench.make_fused(spec.build(ctx.device), cell[0], cell[1],
+        variants += [(cell, configs.make_fused(spec.build(ctx.device), cell[0], cell[1],
                                                   False)) for cell in cells]
         for _, model in variants:
             model.trace_steps = max(model.trace_steps, args.steps)
@@ -115,7 +117,7 @@ def measure_worker(ctx, args):
             x = spec.input(ctx.rank, index, ctx.device)
             for key, model in order.sample(variants, len(variants)):
                 clock.first = None
-                step_ms, _ = step_bench.timed_step(ctx, model, x, False)
+                step_ms, _ = measure.timed_step(ctx, model, x, False)
                 if index >= args.warmup:
                     times[key].append(step_ms)
                     if key == "local":

@@ -12,7 +12,6 @@ where the run has it, to 'ddp_default' (DDP(model)).
 """
 import argparse
 import json
-import math
 import os
 import statistics
 
@@ -190,10 +189,10 @@ def summary_table(datas, impl="fused", targets=False):
             f"{'-' if e['ratio_default'] is None else format(e['ratio_default'], '.3f')} | "
             f"{aa_runs} | {fmt(e['exp_ddp'])} / "
             f"{fmt(e['exp_fr'])} / {fmt(e['exp_fr_tel'])} | {commits} | {days} |")
-    gm = math.exp(sum(math.log(e["ratio"]) for e in rows) / len(rows)) if rows else float("nan")
+    gm = statistics.geometric_mean(e["ratio"] for e in rows) if rows else float("nan")
     noise = max((e["noise"] for e in rows if e["noise"] is not None), default=None)
     defaults = [e["ratio_default"] for e in rows if e["ratio_default"] is not None]
-    gm_default = (f" (to DDP default: {math.exp(sum(map(math.log, defaults)) / len(defaults)):.3f})"
+    gm_default = (f" (to DDP default: {statistics.geometric_mean(defaults):.3f})"
                   if defaults and len(defaults) == len(rows) else "")
     lines += ["", f"Geometric mean of the per-model median ratios to {ddp_name}: **{gm:.3f}** over "
               f"{len(rows)} models{gm_default}. A/A noise band: largest |DDP/DDP - 1| of any run "

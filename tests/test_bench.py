@@ -21,6 +21,7 @@ import allreduce_bw  # noqa: E402
 import common  # noqa: E402
 import models  # noqa: E402
 import step_bench  # noqa: E402
+from step import measure  # noqa: E402
 
 ROW_KEYS = {"impl", "bytes", "dtype", "inplace", "time_us", "algbw_GBps", "busbw_GBps", "wrong"}
 META_KEYS = {"hostname", "cpu_count", "torch_version", "gpu", "world_size", "date", "backend"}
@@ -332,7 +333,7 @@ def test_step_bench_aa_pair_and_autotune(tmp_path):
 def test_autotune_bench_smoke_sweep_tuned_and_final(tmp_path):
     """The README's autotune comparison: a (small) exhaustive sweep, a tuned model and the
     final interleaved timing run to the end and write their JSON (the sweep once crashed on
-    step_bench.timed_step's pair)."""
+    timed_step's pair, bench/step/measure.py)."""
     out_json = tmp_path / "autotune.json"
     res = run_bench("autotune_bench.py", "--model", "many-small", "--layers", "4", "--hidden",
                     "16", "--batch", "4", "--sweep-steps", "1", "--final-steps", "2",
@@ -398,9 +399,9 @@ def test_interleaving_is_balanced(n):
     """Over a cycle of rounds every wrapper runs in every position equally often, and from
     three wrappers on (the A/A twin, --autotune) none ever runs right after itself."""
     variants = [(name, None) for name in "abcd"[:n]]
-    cycle = len(step_bench._order_cycle(n))
+    cycle = len(measure._order_cycle(n))
     assert cycle == math.factorial(n)
-    rounds = [[name for name, _ in step_bench.round_order(variants, r)] for r in range(cycle)]
+    rounds = [[name for name, _ in measure.round_order(variants, r)] for r in range(cycle)]
     assert all(sorted(r) == list("abcd"[:n]) for r in rounds)
     for pos in range(n):
         counts = collections.Counter(r[pos] for r in rounds)
@@ -411,7 +412,7 @@ def test_interleaving_is_balanced(n):
         assert repeats["a"] == repeats["b"]  # A,B / B,A: each repeated alike
     else:
         assert not repeats
-    assert step_bench.round_order(variants, cycle) == step_bench.round_order(variants, 0)
+    assert measure.round_order(variants, cycle) == measure.round_order(variants, 0)
 
 
 @pytest.mark.parametrize("name", models.REAL + models.HOLDOUT)
@@ -524,10 +525,10 @@ def test_torchrun_detection(monkeypatch):
 
 
 def test_step_bench_models_match_their_description():
-    large = step_bench.ModelSpec("large", 4, 768, 8, 64, 0)
+    large = models.ModelSpec("large", 4, 768, 8, 64, 0)
     info = large.describe(large.build("cpu"))
     assert 20e6 < info["params"] < 40e6 and 24 <= info["tensors"] <= 60
-    small = step_bench.ModelSpec("many-small", 200, 64, 32, 64, 0)
+    small = models.ModelSpec("many-small", 200, 64, 32, 64, 0)
     info = small.describe(small.build("cpu"))
     assert info["tensors"] >= 200 and info["params"] < 2e6
     # same seed -> same weights; inputs depend on (seed, rank, step)

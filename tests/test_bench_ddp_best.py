@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import common  # noqa: E402
 import report  # noqa: E402
 import step_bench  # noqa: E402
+from step import configs, measure  # noqa: E402
 
 
 class DDPWithEverything:
@@ -45,8 +46,8 @@ def test_the_installed_ddp_gets_batched_copies_and_the_bucket_list_where_it_has_
     assert kwargs.get("batched_grad_copy") is (True if "batched_grad_copy" in params else None)
     if "bucket_cap_mb_list" in params:
         assert why is None and kwargs["bucket_cap_mb_list"] == [1.0, 25.0]
-    assert step_bench.ddp_settings(1.0, 25.0)["ddp_default"] == "DDP(model)"
-    assert "batched_grad_copy=True" in step_bench.ddp_settings(1.0, 25.0)["ddp"] or (
+    assert configs.ddp_settings(1.0, 25.0)["ddp_default"] == "DDP(model)"
+    assert "batched_grad_copy=True" in configs.ddp_settings(1.0, 25.0)["ddp"] or (
         "batched_grad_copy" not in params)
 
 
@@ -115,6 +116,6 @@ def test_memory_table():
                                    ("ddp", "ddp_default", "fused", "ddp_aa")])
 def test_ddp_default_is_interleaved_like_the_others(impls):
     variants = [(name, None) for name in impls]
-    cycle = step_bench._order_cycle(len(variants))
-    firsts = [step_bench.round_order(variants, r)[0][0] for r in range(len(cycle))]
+    cycle = measure._order_cycle(len(variants))
+    firsts = [measure.round_order(variants, r)[0][0] for r in range(len(cycle))]
     assert set(firsts) == set(impls)
