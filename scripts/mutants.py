@@ -275,8 +275,6 @@ def main():
     parser.add_argument("--timeout", type=int, help="pytest-timeout per test (default: pyproject)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run of the tests on the unmutated tree")
-    parser.add_argument("--without-killers", action="store_true",
-                        help="leave tests/test_mutant_killers.py out: what the rest of the suite kills")
     args = parser.parse_args()
     if not os.path.exists(args.python):
         args.python = sys.executable
@@ -290,9 +288,6 @@ def main():
         if unknown:
             sys.exit(f"mutants: unknown ids {unknown}; --list shows them")
         selected = [m for m in MUTATIONS if m["id"] in wanted]
-    if args.without_killers:
-        for m in selected:
-            m["tests"] = [t for t in m["tests"] if "test_mutant_killers.py" not in t]
 
     scratch = os.path.abspath(args.scratch)
     os.makedirs(args.out, exist_ok=True)
@@ -419,7 +414,7 @@ def main():
     total = time.monotonic() - started
     report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": commit,
               "dirty_worktree": dirty, "seconds": round(total), "results": results,
-              "baseline_failures": sorted(broken), "without_killers": args.without_killers}
+              "baseline_failures": sorted(broken)}
     write_reports(report, args.out)
     print_table(report)
     ran = [r for r in results if r["verdict"].startswith(("KILLED", "SURVIVED"))]

@@ -20,7 +20,20 @@ behaviour (equivalent) does not belong here; replace it with one that can.
 REDUCER_CPP = "ext/reducer.cpp"
 REDUCER_PY = "python/fused_reducer/core/wrapper.py"
 VALIDATION_PY = "python/fused_reducer/core/validation.py"
-K = "tests/test_mutant_killers.py::"
+BUFFERS = "tests/test_buffers.py::"
+CLOSE = "tests/test_close.py::"
+COPIES = "tests/test_pickle_and_copy.py::"
+HISTORY = "tests/test_step_history.py::"
+HOOKS = "tests/test_comm_hook_results.py::"
+JOIN = "tests/test_join_hook.py::"
+LIGHTNING = "tests/test_lightning_strategy_settings.py::"
+NO_SYNC = "tests/test_no_sync.py::"
+PLAN = "tests/test_plan.py::"
+PROFILE = "tests/test_profile_unequal_ranks.py::"
+RANK0 = "tests/test_rank0_decides.py::"
+REBUILDS = "tests/test_bucket_rebuilds.py::"
+ROUTE = "tests/test_gradient_route.py::"
+UNUSED = "tests/test_unused_parameters.py::"
 EQ = "tests/test_equivalence_ddp.py::"
 BEH = "tests/test_dropin_behaviours.py::"
 SHM = "tests/test_shm_transport.py::"
@@ -50,7 +63,7 @@ MUTATIONS = [
         why="a bucket is launched as soon as it is complete instead of strictly in order: ranks "
             "whose gradients become ready in different orders pair different buckets in the "
             "collective (wrong sums when the sizes match, a hang when they do not)",
-        tests=[K + "test_buckets_launch_in_layout_order_when_ranks_complete_them_differently",
+        tests=[ROUTE + "test_buckets_launch_in_layout_order_when_ranks_complete_them_differently",
                "tests/test_bucket_layout.py"],
     ),
     dict(
@@ -61,7 +74,7 @@ MUTATIONS = [
                 "  auto work = group_->broadcast(sent, broadcast);  // rank 0's inputs land in a copy")],
         why="the rebuild uses each rank's own observed order and limits instead of rank 0's: "
             "layouts differ across ranks whenever ready orders differ",
-        tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
+        tests=[RANK0 + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
                "tests/test_bucket_layout.py::test_rebuilt_layout_follows_rank0_ready_order_on_every_rank"],
     ),
     dict(
@@ -71,7 +84,7 @@ MUTATIONS = [
                 "  options_.last_bucket_bytes = data[1];\n", "")],
         why="the rebuild takes rank 0's order but keeps this rank's own limits: ranks that set "
             "different limits build different layouts",
-        tests=[K + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
+        tests=[RANK0 + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
                "tests/test_bucket_layout.py::test_limits_that_differ_by_rank_resolve_to_rank0_values_at_rebuild"],
     ),
     dict(
@@ -93,7 +106,7 @@ MUTATIONS = [
                 "  data[kHeader] = int64_t{1} << 20;  // DDP's kDefaultFirstBucketBytes")],
         why="DDP's own bug: rebuilds use the 1 MiB constant, so a first bucket set at "
             "construction or at runtime is lost at the first rebuild",
-        tests=[K + "test_first_bucket_limit_survives_every_rebuild"],
+        tests=[REBUILDS + "test_first_bucket_limit_survives_every_rebuild"],
     ),
     dict(
         id="used-map-forgets-no-sync",
@@ -105,7 +118,7 @@ MUTATIONS = [
                 "    check_not_decided_unused(index);")],
         why="find_unused_parameters: a parameter used only in no_sync micro-steps counts as "
             "unused at the synchronised step, its accumulated gradient is not averaged",
-        tests=[K + "test_usage_inside_no_sync_counts_for_find_unused_parameters"],
+        tests=[NO_SYNC + "test_usage_inside_no_sync_counts_for_find_unused_parameters"],
     ),
     dict(
         id="unarmed-backward-reduced",
@@ -116,7 +129,7 @@ MUTATIONS = [
                 "    // A backward that no synchronised FusedReducer.forward armed")],
         why="a backward that no synchronised forward armed (the inner module called directly, a "
             "second backward of one graph) is reduced: DDP keeps those gradients local",
-        tests=[K + "test_backward_of_the_inner_module_stays_local"],
+        tests=[ROUTE + "test_backward_of_the_inner_module_stays_local"],
     ),
     dict(
         id="contiguous-slot-views",
@@ -128,7 +141,7 @@ MUTATIONS = [
         why="bucket slots are contiguous instead of keeping the parameter's strides: "
             "channels_last gradients become strided copies, gradient_as_bucket_view changes "
             "their memory format",
-        tests=[K + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
+        tests=[REBUILDS + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
                "tests/test_cuda_path_cpu.py::test_slots_are_16_byte_aligned_keep_strides_and_match_ddp"],
     ),
     dict(
@@ -137,7 +150,7 @@ MUTATIONS = [
         edits=[("constexpr int64_t kSlotAlignBytes = 16;", "constexpr int64_t kSlotAlignBytes = 1;")],
         why="slots are packed element by element: only the first slot of a bucket starts on a "
             "16-byte boundary, the fused copy kernel loses its vector path",
-        tests=[K + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
+        tests=[REBUILDS + "test_bucket_view_grads_are_16_byte_aligned_and_keep_the_parameters_strides",
                "tests/test_cuda_path_cpu.py::test_slots_are_16_byte_aligned_keep_strides_and_match_ddp"],
     ),
     dict(
@@ -147,7 +160,7 @@ MUTATIONS = [
         why="CPU gradients are no longer copied into their slot at their own hook but when the "
             "bucket is complete: an in-place change to an earlier gradient by a later hook of "
             "the same backward leaks into the average (DDP copies at the hook)",
-        tests=[K + "test_gradient_is_copied_into_its_slot_at_its_own_hook_like_ddp"],
+        tests=[ROUTE + "test_gradient_is_copied_into_its_slot_at_its_own_hook_like_ddp"],
     ),
     dict(
         id="packed-flag-not-reset",
@@ -166,7 +179,7 @@ MUTATIONS = [
         why="reduced buckets are unpacked during backward also with find_unused_parameters, "
             "before the used map is known: a parameter no rank used gets a zero gradient "
             "instead of keeping grad None (DDP)",
-        tests=[K + "test_globally_unused_parameter_keeps_grad_none_when_its_bucket_finishes_early"],
+        tests=[UNUSED + "test_globally_unused_parameter_keeps_grad_none_when_its_bucket_finishes_early"],
     ),
     dict(
         id="nonview-unpack-gives-view",
@@ -175,7 +188,7 @@ MUTATIONS = [
                 "    if (!grad.defined()) {\n      grad = view;")],
         why="without gradient_as_bucket_view, param.grad becomes a view of the bucket anyway: "
             "the next step's collective overwrites gradients the user still holds",
-        tests=[K + "test_without_bucket_view_grads_are_private_copies"],
+        tests=[ROUTE + "test_without_bucket_view_grads_are_private_copies"],
     ),
     dict(
         id="timeout-ignored-in-wait",
@@ -186,7 +199,7 @@ MUTATIONS = [
                 "    wait_for_launched_quietly();\n    TORCH_CHECK(false, \"FusedReducer: all-reduce of bucket \"")],
         why="the wait for a bucket ignores timeout=: a stalled live peer is waited for 10 "
             "minutes (the default) instead of raising after the user's timeout",
-        tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
+        tests=[ROUTE + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
     ),
     dict(
         id="comm-hook-gets-scaled-buckets",
@@ -283,7 +296,7 @@ MUTATIONS = [
                 "        return self._require_forward_param_sync and any(")],
         why="broadcast_buffers=False is ignored: BatchNorm running stats are overwritten with "
             "rank 0's before every forward",
-        tests=[K + "test_buffer_broadcast_rules_match_ddp"],
+        tests=[BUFFERS + "test_buffer_broadcast_rules_match_ddp"],
     ),
     dict(
         id="buffers-broadcast-after-no-sync",
@@ -293,7 +306,7 @@ MUTATIONS = [
         why="DDP's rule broken: buffers are broadcast also before the forward that follows a "
             "no_sync forward, so the running stats of a gradient-accumulation window differ "
             "from DDP's",
-        tests=[K + "test_buffer_broadcast_rules_match_ddp"],
+        tests=[BUFFERS + "test_buffer_broadcast_rules_match_ddp"],
     ),
     dict(
         id="no-sync-without-finally",
@@ -304,7 +317,7 @@ MUTATIONS = [
                 "        self.require_backward_grad_sync = previous")],
         why="an exception inside `with model.no_sync():` leaves synchronisation off for the "
             "rest of training (DDP restores it in a finally)",
-        tests=[K + "test_exception_inside_no_sync_leaves_sync_on"],
+        tests=[NO_SYNC + "test_exception_inside_no_sync_leaves_sync_on"],
     ),
     dict(
         id="timeout-not-passed-to-reducer",
@@ -313,7 +326,7 @@ MUTATIONS = [
                 "        options.timeout_seconds = 600.0\n")],
         why="timeout= reaches the transport but not the C++ reducer: its waits use the default "
             "10 minutes",
-        tests=[K + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
+        tests=[ROUTE + "test_timeout_bounds_the_wait_for_a_stalled_peer"],
     ),
     dict(
         id="version-counter-bumped",
@@ -323,7 +336,7 @@ MUTATIONS = [
         why="the buffer broadcast before a second forward bumps the buffers' version counters: "
             "backward of the first forward raises 'modified by an inplace operation' (DDP does "
             "not)",
-        tests=[K + "test_two_forwards_then_backward_with_a_buffer_saved_for_backward"],
+        tests=[BUFFERS + "test_two_forwards_then_backward_with_a_buffer_saved_for_backward"],
     ),
     dict(
         id="pickle-keeps-process-group",
@@ -333,7 +346,7 @@ MUTATIONS = [
                 '        for transient in ("_reducer", "_transport", "_tuner", "_control_device",')],
         why="pickling/deepcopy keeps the process group: torch.save(model) or copy.deepcopy fail "
             "(a ProcessGroup cannot be pickled), or the copy reuses a group it does not own",
-        tests=[K + "test_pickled_and_deep_copied_models_train_like_ddp"],
+        tests=[COPIES + "test_pickled_and_deep_copied_models_train_like_ddp"],
     ),
     dict(
         id="close-not-idempotent",
@@ -342,7 +355,7 @@ MUTATIONS = [
                 "        transport.close(min(self._timeout_s, 10.0))")],
         why="the second close() (or the atexit/GC one after an explicit close) raises "
             "AttributeError on the released transport",
-        tests=[K + "test_close_is_idempotent_and_final"],
+        tests=[CLOSE + "test_close_is_idempotent_and_final"],
     ),
     dict(
         id="closed-model-reattaches",
@@ -351,7 +364,7 @@ MUTATIONS = [
                 "        reducer, transport =")],
         why="a closed model silently re-attaches at the next forward (as after unpickling) "
             "instead of refusing: close() is not final",
-        tests=[K + "test_close_is_idempotent_and_final"],
+        tests=[CLOSE + "test_close_is_idempotent_and_final"],
     ),
     dict(
         id="trace-steps-not-shrinking",
@@ -360,7 +373,7 @@ MUTATIONS = [
                 "        pass")],
         why="setting trace_steps does not reach the C++ ring: step_history() keeps growing to "
             "the old capacity",
-        tests=[K + "test_trace_steps_bounds_the_step_history"],
+        tests=[HISTORY + "test_trace_steps_bounds_the_step_history"],
     ),
     dict(
         id="join-divide-by-initial-ignored",
@@ -382,7 +395,7 @@ MUTATIONS = [
                 "        return _default_first_bucket_bytes\n")],
         why="FUSED_REDUCER_FIRST_BUCKET_BYTES in the environment overrides an explicit "
             "set_default_first_bucket_bytes() call",
-        tests=[K + "test_set_default_first_bucket_bytes_wins_over_the_environment"],
+        tests=[REBUILDS + "test_set_default_first_bucket_bytes_wins_over_the_environment"],
     ),
     dict(
         id="join-skips-unused-map",
@@ -392,7 +405,7 @@ MUTATIONS = [
         why="a joined rank does not shadow the unused-parameter all-reduce of "
             "find_unused_parameters: the training ranks' map reduction pairs with the joined "
             "rank's next collective",
-        tests=[K + "test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
+        tests=[JOIN + "test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
                "tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
     ),
     dict(
@@ -413,7 +426,7 @@ MUTATIONS = [
                 "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2])));")],
         why="the reduce dtype does not travel with rank 0's layout: ranks that set different "
             "reduce dtypes all-reduce buckets of different dtypes (garbage or a gloo error)",
-        tests=[K + "test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves",
+        tests=[RANK0 + "test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves",
                "tests/test_reduce_dtype.py::test_property_semantics"],
     ),
     dict(
@@ -452,7 +465,7 @@ MUTATIONS = [
                ("        plan = box[0]\n", "        plan = plan  # this rank's own plan\n")],
         why="every rank makes its own tuning plan from its own ready times instead of rank 0's: "
             "ranks measure different trials (and may issue different numbers of collectives)",
-        tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
+        tests=[RANK0 + "test_autotune_plan_and_choice_are_rank0s"],
     ),
     dict(
         id="autotune-step-times-not-agreed",
@@ -462,7 +475,7 @@ MUTATIONS = [
                 "        agreed = list(times)\n")],
         why="step times are not the slowest rank's: each rank ranks candidates on its own "
             "timings, so the ranks' decisions can differ",
-        tests=[K + "test_autotune_plan_and_choice_are_rank0s"],
+        tests=[RANK0 + "test_autotune_plan_and_choice_are_rank0s"],
     ),
     # -- the planner -------------------------------------------------------------------------------
     dict(
@@ -471,7 +484,7 @@ MUTATIONS = [
         edits=[("    control = model._attachment.control_device\n", "    control = \"cpu\"\n")],
         why="export_profile stages its agreements on CPU tensors whatever the group: a plain "
             "NCCL group refuses them, so recording a profile fails on every GPU cluster",
-        tests=["tests/test_plan.py::test_profile_round_trip"],
+        tests=[PLAN + "test_profile_round_trip"],
     ),
     dict(
         id="planner-copy-back-constant",
@@ -482,7 +495,7 @@ MUTATIONS = [
             "with one big last bucket (all copied back at the end) looks as cheap as one whose "
             "buckets were unpacked during backward, and the planner ranks it best (measured: "
             "+14.1 % from the best on `large`)",
-        tests=["tests/test_plan.py::test_step_adds_forward_copy_back_and_rest"],
+        tests=[PLAN + "test_step_adds_forward_copy_back_and_rest"],
     ),
     dict(
         id="planner-anchor-unscaled",
@@ -492,7 +505,7 @@ MUTATIONS = [
         why="the recorded run's unmodelled time is added at full size after --compute-scale "
             "moved the compute to a faster machine: a CPU profile planned for GPUs carries CPU "
             "milliseconds into every prediction",
-        tests=["tests/test_plan.py::test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout"],
+        tests=[PLAN + "test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout"],
     ),
     dict(
         id="planner-overlap-cost-ignored",
@@ -501,7 +514,7 @@ MUTATIONS = [
                 "        return self.free_us + self.overlapped_us")],
         why="a measured or given overlap cost is read as 'contended': the planner charges "
             "backward all overlapped communication whatever was measured",
-        tests=["tests/test_plan.py::test_timeline_launches_in_order_one_collective_at_a_time"],
+        tests=[PLAN + "test_timeline_launches_in_order_one_collective_at_a_time"],
     ),
     dict(
         id="allreduce-bw-waits-each-op",
@@ -658,14 +671,14 @@ MUTATIONS = [
         tests=[SHM + "test_segments_of_dead_processes_of_this_user_are_swept_and_live_ones_kept"],
     ),
 
-    # -- issue 19, point 5: slips no test caught (tests/test_slips.py) -------------------------
+    # -- issue 19, point 5: slips no test caught ---------------------------------------------
     dict(
         id="unused-here-keeps-bucket-dtype",
         file=REDUCER_CPP,
         edits=[("      grad = at::empty_strided(view.sizes(), view.strides(), params_[index].options());",
                 "      grad = at::empty_strided(view.sizes(), view.strides(), view.options());")],
         why="find_unused_parameters with reduce_dtype=bf16: a parameter unused on this rank but used on another gets a bf16 gradient instead of one in its own dtype (the optimizer then mixes dtypes)",
-        tests=["tests/test_slips.py::test_unused_here_used_elsewhere_gets_the_average_in_the_parameters_own_dtype"],
+        tests=[UNUSED + "test_unused_here_used_elsewhere_gets_the_average_in_the_parameters_own_dtype"],
     ),
     dict(
         id="rebuild-drops-accumulated-view-grad",
@@ -673,7 +686,7 @@ MUTATIONS = [
         edits=[("          bucket.views.back().copy_(grad);\n",
                 "")],
         why="gradient_as_bucket_view: a rebuild (a limit set by hand or by autotune) between a no_sync micro-step and the synchronised step moves param.grad into the new bucket without its accumulated value",
-        tests=["tests/test_slips.py::test_bucket_view_limit_change_inside_no_sync_window_keeps_the_accumulated_gradient"],
+        tests=[NO_SYNC + "test_bucket_view_limit_change_inside_no_sync_window_keeps_the_accumulated_gradient"],
     ),
     dict(
         id="pickle-swaps-first-and-cap",
@@ -681,7 +694,7 @@ MUTATIONS = [
         edits=[('state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)',
                 'state["_limits"] = (self.bucket_caps_bytes[::-1], self.last_bucket_bytes)')],
         why="pickling or deepcopy reverses the list of limits (swaps the first bucket and the cap): the copy trains with other limits than the original",
-        tests=["tests/test_slips.py::test_pickle_and_deepcopy_keep_first_cap_last_and_reduce_dtype"],
+        tests=[COPIES + "test_pickle_and_deepcopy_keep_first_cap_last_and_reduce_dtype"],
     ),
     dict(
         id="join-forgets-buffer-sync-rule",
@@ -689,7 +702,7 @@ MUTATIONS = [
         edits=[("        model._attachment.set_forward_param_sync(should_sync)\n",
                 "")],
         why="join with no_sync accumulation: a joined rank forgets whether the others' forward synchronised, so the BatchNorm buffer broadcasts of joined and training ranks differ from DDP's",
-        tests=["tests/test_slips.py::test_join_with_no_sync_accumulation_and_batchnorm_matches_ddp_join"],
+        tests=[JOIN + "test_join_with_no_sync_accumulation_and_batchnorm_matches_ddp_join"],
     ),
     dict(
         id="lightning-timeout-dropped",
@@ -697,7 +710,7 @@ MUTATIONS = [
         edits=[('                reducer_kwargs.setdefault("timeout", timeout)',
                 '                pass')],
         why="FusedReducerStrategy(timeout=...) never reaches the reducer: a dead peer is waited for 10 minutes instead of the user's timeout",
-        tests=["tests/test_slips.py::test_lightning_strategy_timeout_reaches_the_reducer_and_its_transport"],
+        tests=[LIGHTNING + "test_lightning_strategy_timeout_reaches_the_reducer_and_its_transport"],
     ),
     dict(
         id="profile-stretch-inverted",
@@ -705,7 +718,7 @@ MUTATIONS = [
         edits=[('stretch = phases["backward_end_us"] / local_backward_us',
                 'stretch = local_backward_us / phases["backward_end_us"]')],
         why="export_profile on the faster rank shrinks its ready times instead of stretching them to the slowest rank: the planner sees a backward shorter than the real step",
-        tests=["tests/test_slips.py::test_export_profile_on_the_faster_rank_scales_ready_times_to_the_slowest_rank"],
+        tests=[PROFILE + "test_export_profile_on_the_faster_rank_scales_ready_times_to_the_slowest_rank"],
     ),
     dict(
         id="tree-latency-ceil",
@@ -713,7 +726,7 @@ MUTATIONS = [
         edits=[("int(math.log2(nodes))",
                 "math.ceil(math.log2(nodes))")],
         why="the planner's tree latency rounds log2(nodes) up for node counts that are not powers of two: one inter-node hop too many at 3, 5, 6, 7 nodes",
-        tests=["tests/test_slips.py::test_tree_latency_for_a_node_count_not_a_power_of_two_is_floor_log2_inter_hops"],
+        tests=[PLAN + "test_tree_latency_for_a_node_count_not_a_power_of_two_is_floor_log2_inter_hops"],
     ),
     dict(
         id="comm-hook-list-unwrapped",
@@ -721,7 +734,7 @@ MUTATIONS = [
         edits=[("        if isinstance(result, (list, tuple)):\n",
                 "        if isinstance(result, (list, tuple)) and len(result) == 1:\n            result = result[0]\n        if isinstance(result, (list, tuple)):\n")],
         why="a comm hook whose future holds a one-element list is silently unwrapped where DDP refuses it: code that works here breaks under DDP",
-        tests=["tests/test_slips.py::test_comm_hook_future_holding_a_one_element_list_is_refused_like_ddp"],
+        tests=[HOOKS + "test_comm_hook_future_holding_a_one_element_list_is_refused_like_ddp"],
     ),
     # -- issue 22: DDP 2.14's constructor arguments, per-bucket limits at runtime ---------------
     dict(

@@ -307,7 +307,7 @@ def check_skip_unused(rank, world):
     """Per backend: (largest gradient difference to DDP with the same arguments, the bytes the
     profiler saw all-reduced per step with and without skipping, the spare parameters' bytes,
     the error when a rank uses `spare` after all)."""
-    from test_api_table import collectives
+    from behaviour_common import collectives
     kwargs = dict(find_unused_parameters=True, skip_all_reduce_unused_params=True)
     out = {}
     for backend in BACKENDS:

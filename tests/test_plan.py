@@ -58,6 +58,23 @@ def test_across_nodes_ring_pays_inter_hops_and_tree_log2_nodes_latency_terms():
     assert net.tree_us(4096, 512, 8) == pytest.approx(5 + 2 * (7 * 2 + 6 * 10) + 2 * 4096 / 1e5)
 
 
+@pytest.mark.parametrize("nodes", [3, 5, 6, 7])
+def test_tree_latency_for_a_node_count_not_a_power_of_two_is_floor_log2_inter_hops(nodes):
+    """docs/PLANNING.md and costmodel.py: tree = launch + 2 x ((G-1) intra hops
+    + floor(log2 N) inter hops) + 2 x S / busbw. Slip: ceil or round of log2 N."""
+    from fused_reducer.costmodel import Link, Network
+    per_node, launch, intra_hop, inter_hop = 8, 5.0, 2.0, 10.0
+    net = Network(Link("intra", intra_hop, bytes_per_us=1e5),
+                  Link("inter", inter_hop, bytes_per_us=5e4, per_node=per_node), launch)
+    floor_log2 = {3: 1, 5: 2, 6: 2, 7: 2}[nodes]  # by hand
+    bus = min(1e5, per_node * 5e4)
+    expected = launch + 2 * ((per_node - 1) * intra_hop + floor_log2 * inter_hop) + 2 * 4096 / bus
+    world = nodes * per_node
+    assert net.tree_us(4096, world, per_node) == pytest.approx(expected)
+    # at 4 KiB the tree wins over the ring (2(n-1) hops), so the all-reduce costs this too
+    assert net.allreduce(4096, world, per_node) == (pytest.approx(expected), "tree")
+
+
 def test_the_slower_of_intra_link_and_node_network_limits_the_bus_bandwidth():
     net = network(inter_bw=1e4, per_node=2)  # 2 NICs of 1e4 B/us: 2e4 < 1e5
     assert net.bus_bytes_per_us(1e6, 16, 8) == pytest.approx(2e4)
