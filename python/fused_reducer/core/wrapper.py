@@ -293,7 +293,7 @@ class FusedReducer(nn.Module, Joinable):
             state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
             state["_reduce_dtype"] = self.reduce_dtype
         for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
-                          "_sharded_optimizer",
+                          "_sharded_optimizer", "_arm",
                           "_closed"):
             state[transient] = None
         return state
@@ -310,25 +310,102 @@ class FusedReducer(nn.Module, Joinable):
         output = self.module(*args, **kwargs)
         if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
             self._finish_param_gather()  # before backward refills the buckets
-        if self.find_unused_parameters and self._require_forward_param_sync:
+        if self._require_forward_param_sync:
             self._hook_outputs(output)
         return output
 
+    # Note [Several forwards before their backwards]
+    # Pipeline schedules run several forwards before their backwards: GPipe F1 F2 B1 B2, 1F1B
+    # F1 F2 B1 F3 B2 ..., a reversed order F1 F2 B2 B1. The C++ reducer is armed by a forward for
+    # the next backward, and the end of that backward disarms it: B1 took the arm that F2 had set,
+    # and B2 then stayed local, so param.grad ended as avg(g1) + g2 (DDP does exactly the same,
+    # silently). Here every backward of a synchronised forward is reduced: the forward's outputs
+    # are hooked, and when a backward first reaches them while the reducer's arm was used up by an
+    # earlier backward (its step completed) or cancelled (a later forward inside no_sync), the arm
+    # is renewed there, before any of that backward's gradients is ready
+    # (_arm_for_backward_of_forward). The backward then reduces the whole param.grad, the earlier
+    # averages included, so param.grad = avg(g1) + avg(g2) + ... = the average of the summed
+    # gradients, in any order of forwards and backwards: exact. Each such backward is a step of
+    # its own (one reduction of each bucket per backward); for one reduction per training step,
+    # run the forwards and all but the last backward inside no_sync() and call
+    # prepare_for_backward() before the last backward, as torch's PipelineStage drives DDP and
+    # fused_reducer.pipelining.PipelineStage drives FusedReducer.
+    # Why not defer the reduction to the last backward instead: whether more backwards will come is
+    # unknowable at a backward's end, because a forward whose output is dropped (a GAN's extra
+    # generator pass, a metric computed with grad enabled) never gets one; deferring would then
+    # never average, while renewing the arm stays exact. A second backward through the same graph
+    # (retain_graph=True) stays local, as before (the hook acts once per forward), and a ShardedOptimizer
+    # refuses a renewed arm: its averages exist only as shards, and the next backward would have to
+    # accumulate into released gradients.
     @torch.compiler.disable
     def _hook_outputs(self, output):
-        """find_unused_parameters: the backward that reaches these outputs is the one whose end
-        decides which parameters were unused, not a nested backward that reentrant checkpointing
-        runs inside it (see Note [End of backward] in ext/reducer.cpp)."""
+        """Hooks on a synchronised forward's outputs: the first backward reaching them is reduced
+        (Note [Several forwards before their backwards]); with find_unused_parameters, that
+        backward is also the one whose end decides which parameters were unused, not a nested
+        backward that reentrant checkpointing runs inside it (see Note [End of backward] in
+        ext/reducer.cpp)."""
+        leaves = [leaf for leaf in tree_leaves(output)
+                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not leaves:
+            return
         model = weakref.ref(self)
+        synced = self._require_forward_param_sync
+        find_unused = self.find_unused_parameters and synced
+        first = [True]  # the first backward through these outputs
 
         def reached(grad):
-            reducer = getattr(model(), "_reducer", None)
-            if reducer is not None:
-                reducer.on_outputs_reached()
+            wrapper = model()
+            if wrapper is None or wrapper.__dict__.get("_reducer") is None:
+                return
+            if first[0]:
+                first[0] = False
+                if synced:
+                    wrapper._arm_for_backward_of_forward()
+            if find_unused:
+                wrapper._reducer.on_outputs_reached()
 
-        for leaf in tree_leaves(output):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(reached)
+        for leaf in leaves:
+            leaf.register_hook(reached)
+
+    def _armed(self):
+        """Whether the C++ reducer is armed for a backward that has not yet completed a step."""
+        arm = self.__dict__.get("_arm")
+        return arm is not None and arm == self._reducer.completed_steps()
+
+    def _note_arm(self, armed):
+        self._arm = self._reducer.completed_steps() if armed else None
+
+    def _arm_for_backward_of_forward(self):
+        """A backward reached the outputs of a synchronised forward: reduce it, renewing the arm
+        if an earlier backward used it up. See Note [Several forwards before their backwards]."""
+        if self._armed():
+            return
+        if self._sharded:
+            raise FusedReducerError(
+                "FusedReducer: a second backward of this step reached the outputs of a forward run "
+                "outside no_sync(), but with a ShardedOptimizer the previous backward already "
+                "reduced and released the gradients (they exist only as shards), so this "
+                "backward's gradients cannot be added to them. Run the forwards and all but the "
+                "last backward of the step under model.no_sync() and call "
+                "model.prepare_for_backward() before the last backward (one reduction per step), "
+                "or drive the stage with fused_reducer.pipelining.PipelineStage, which does that "
+                "for pipeline schedules.")
+        if self._join_config.enable:
+            raise FusedReducerError(
+                "FusedReducer: several forwards before their backwards are not supported inside "
+                "join() (the joined ranks shadow one reduction per forward). Run the forwards and "
+                "all but the last backward under model.no_sync() and call "
+                "model.prepare_for_backward() before the last backward, or drive the stage with "
+                "fused_reducer.pipelining.PipelineStage.")
+        syncing = self._syncing
+        if not syncing:  # no_sync() entered after this forward: its backward still syncs (DDP)
+            self._reducer.set_sync_enabled(True)
+        try:
+            self._reducer.prepare_forward(will_sync=True)
+        finally:
+            if not syncing:
+                self._reducer.set_sync_enabled(False)
+        self._note_arm(True)
 
     @torch.compiler.disable
     def _pre_forward(self):
@@ -352,6 +429,7 @@ class FusedReducer(nn.Module, Joinable):
             if self._tuner is not None and self._syncing:
                 self._tuner.on_forward()  # once per step: may set the limits for this step
             self._reducer.prepare_forward(will_sync=True)
+            self._note_arm(self._syncing)
             if self._debug:
                 self._log_rebuild()
         if self._will_sync_buffers():
@@ -575,6 +653,7 @@ class FusedReducer(nn.Module, Joinable):
         training step, e.g. Lightning's ``manual_backward``. Collective like forward."""
         if torch.is_grad_enabled() and self._syncing:
             self._reducer.prepare_forward(will_sync=True)
+            self._note_arm(True)
 
     @contextmanager
     def no_sync(self):
