@@ -30,6 +30,7 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .module_states import reduced_parameters, synced_states
 from .plugins import tool
+from .tensor_parallel import TensorParallelParameters, local_of
 from .validation import (_buffer_sync_settings, _check_bucket_view_dtypes, _check_device_ids,
                          _control_device, _group_of, _health_settings, _one_communicator_backend,
                          _reduce_dtype_of, _refuse_compiled_autograd, _refuse_sparse_gradients,
@@ -150,7 +151,10 @@ class FusedReducer(nn.Module, Joinable):
                              "(none with requires_grad=True); there is nothing to reduce")
         _refuse_sparse_gradients(module)
         self._param_names = [n for n, _ in named]
-        params = [p for _, p in named]
+        # DTensor parameters reduce through plain leaves: see Note [DTensor parameters].
+        self._tp = TensorParallelParameters(module, named, self.process_group)
+        self._has_tp = bool(self._tp)
+        params = self._tp.reduced(named)
         _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named)
         # Every parameter DDP broadcasts (frozen ones too, not the ignored ones), as DDP checks.
         devices = {p.device for p in synced_states(module, buffers=False)}
@@ -293,7 +297,7 @@ class FusedReducer(nn.Module, Joinable):
             state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
             state["_reduce_dtype"] = self.reduce_dtype
         for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
-                          "_sharded_optimizer", "_arm",
+                          "_sharded_optimizer", "_arm", "_tp",
                           "_closed"):
             state[transient] = None
         return state
@@ -307,10 +311,14 @@ class FusedReducer(nn.Module, Joinable):
         self._pre_forward()
         if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
             self._before_sharded_forward(torch.compiler.is_compiling())
-        output = self.module(*args, **kwargs)
+        if self._has_tp and torch.is_grad_enabled():
+            with self._tp.swapped_in():  # See Note [DTensor parameters]
+                output = self.module(*args, **kwargs)
+        else:
+            output = self.module(*args, **kwargs)
         if self._sharded:  # a plain bool: no graph break under torch.compile otherwise
             self._finish_param_gather()  # before backward refills the buckets
-        if self._require_forward_param_sync:
+        if self._require_forward_param_sync or (self._has_tp and torch.is_grad_enabled()):
             self._hook_outputs(output)
         return output
 
@@ -347,10 +355,18 @@ class FusedReducer(nn.Module, Joinable):
         leaves = [leaf for leaf in tree_leaves(output)
                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not leaves:
+            if self._has_tp:
+                raise FusedReducerError(
+                    "FusedReducer: with DTensor parameters the wrapped module's forward must "
+                    "return its outputs as tensors (or lists, tuples, dicts of them) that require "
+                    "grad: the end of their backward publishes param.grad as DTensors (Note "
+                    "[DTensor parameters]). Return the tensors, or run this forward under "
+                    "torch.no_grad().")
             return
         model = weakref.ref(self)
         synced = self._require_forward_param_sync
         find_unused = self.find_unused_parameters and synced
+        tp = self._has_tp
         first = [True]  # the first backward through these outputs
 
         def reached(grad):
@@ -361,11 +377,32 @@ class FusedReducer(nn.Module, Joinable):
                 first[0] = False
                 if synced:
                     wrapper._arm_for_backward_of_forward()
+            if tp:
+                wrapper._publish_at_end_of_backward()
             if find_unused:
                 wrapper._reducer.on_outputs_reached()
 
         for leaf in leaves:
             leaf.register_hook(reached)
+
+    def _publish_at_end_of_backward(self):
+        """With DTensor parameters: param.grad published as DTensors once this backward, and the
+        reducer's end of it (queued later, by the first gradient hook), are done."""
+        if self.__dict__.get("_publish_queued"):
+            return
+        self._publish_queued = True
+        engine = torch.autograd.Variable._execution_engine
+        model = weakref.ref(self)
+
+        def publish():
+            wrapper = model()
+            if wrapper is not None:
+                wrapper._publish_queued = False
+                wrapper._tp.publish_gradients()
+
+        # Callbacks run in the order queued, and one queued by a callback runs after the others:
+        # publish after Reducer::finalize_backward, which may assign param.grad.
+        engine.queue_callback(lambda: engine.queue_callback(publish))
 
     def _armed(self):
         """Whether the C++ reducer is armed for a backward that has not yet completed a step."""
@@ -426,6 +463,9 @@ class FusedReducer(nn.Module, Joinable):
             join_work = Join.notify_join_context(self)  # no join context: no collective
         self._set_divide_factor(join_work)
         if torch.is_grad_enabled():
+            if self._has_tp:
+                self._publish_queued = False  # a backward that raised left it set
+                self._tp.adopt_gradients()  # See Note [DTensor parameters]
             if self._tuner is not None and self._syncing:
                 self._tuner.on_forward()  # once per step: may set the limits for this step
             self._reducer.prepare_forward(will_sync=True)
@@ -471,6 +511,7 @@ class FusedReducer(nn.Module, Joinable):
             self._broadcast(buffers, source)
 
     def _broadcast(self, tensors, source):
+        tensors = [local_of(t) for t in tensors]  # a DTensor's shard, over the DP group only
         if tensors and dist.get_world_size(self.process_group) > 1:
             with torch.no_grad():
                 dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES,
@@ -493,7 +534,10 @@ class FusedReducer(nn.Module, Joinable):
     def _reattach(self):
         """After unpickling: attach to the default process group again (collective)."""
         self.process_group = _resolve_group(None)
-        self._attach([p for _, p in reduced_parameters(self.module)])
+        named = reduced_parameters(self.module)
+        self._tp = TensorParallelParameters(self.module, named, self.process_group)
+        self._has_tp = bool(self._tp)
+        self._attach(self._tp.reduced(named))
 
     # -- uneven inputs (DDP's join) --------------------------------------------------------------
     def join(self, divide_by_initial_world_size=True, enable=True,
@@ -642,9 +686,8 @@ class FusedReducer(nn.Module, Joinable):
 
     def _run_comm_hook(self, index, is_last, flat, views, params):
         state, hook = self._comm_hook
-        named = dict(self.module.named_parameters())
-        bucket = GradBucket(index, is_last, flat, views,
-                            [named[self._param_names[i]] for i in params])
+        # The reducer's parameters: a DTensor parameter's local leaf, shaped like its gradient.
+        bucket = GradBucket(index, is_last, flat, views, [self._params[i] for i in params])
         return run_hook(state, hook, bucket)
 
     def prepare_for_backward(self):
@@ -862,6 +905,8 @@ class FusedReducer(nn.Module, Joinable):
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
+        if self._has_tp:
+            return self._tensor_parallel_norm(grads, norm_type, from_copy is not None)
         # The copy saw only the reduced parameters' gradients: a frozen or ignored parameter
         # that holds a .grad counts in torch's norm over model.parameters() too.
         total = from_copy if len(grads) == self._reduced_grads() else None
@@ -871,6 +916,26 @@ class FusedReducer(nn.Module, Joinable):
         # torch's norm has the gradients' widest real dtype (a complex gradient's norm is real).
         dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
         return total.to(device=grads[0].device, dtype=dtype)
+
+    def _tensor_parallel_norm(self, grads, norm_type, copy_usable):
+        """grad_norm() with DTensor parameters: torch's norm over DTensor gradients (shards
+        summed over their tensor-parallel groups, replicated ones counted once), from the copy's
+        statistics where they cover every gradient (collective over the tensor-parallel
+        groups). A frozen or ignored parameter's gradient counts as replicated."""
+        reduced = [p.grad for p in self._params]
+        extra = len(grads) - self._reduced_grads()
+        copied = None
+        if copy_usable and extra == 0:
+            copied = tuple(self._reducer.copy_norms().tolist())
+        self._norm_source = "copy" if copied is not None else "torch"
+        others = []
+        if extra:
+            mine = {id(e.param) for e in self._tp.entries.values()} | {id(p) for p in self._params}
+            others = [local_of(p.grad) for p in self.module.parameters()
+                      if p.grad is not None and id(p) not in mine]
+        total = self._tp.global_norm(reduced, norm_type, copied, others)
+        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
+        return total.to(device=local_of(grads[0]).device, dtype=dtype)
 
     def _reduced_grads(self):
         return sum(p.grad is not None for p in self._params)
@@ -890,6 +955,8 @@ class FusedReducer(nn.Module, Joinable):
                 "gradients is non-finite, so it cannot be clipped. To disable this error and "
                 "scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False")
         grads = [p for p in self.module.parameters() if p.grad is not None]
+        if self._has_tp:  # scale the plain leaves, whose storage the DTensor gradients view
+            grads = self._tp.clip_targets(grads)
         if grads:
             torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
         return total

@@ -1,0 +1,249 @@
+"""Tensor-parallel parameters under FusedReducer: a model whose parameters are DTensors
+(torch.distributed.tensor.parallel.parallelize_module over a tensor-parallel mesh dimension) is
+wrapped with ``FusedReducer(model, device_mesh=mesh["dp"])``; each parameter's local shard is
+reduced over the data-parallel group only, and ``param.grad`` stays a DTensor with the
+parameter's placements.
+
+Note [DTensor parameters]
+The C++ reducer moves plain tensors: its hooks sit on the gradient accumulators of the
+parameters it is given, and it copies their gradients into flat buckets. A DTensor is a
+wrapper whose gradient is a DTensor too; copying it into a plain bucket dispatches to DTensor's
+operators, which refuse mixed operands ("got mixed torch.Tensor and DTensor"). DDP solves this
+with _pre_dp_module_transform: the module's parameters are replaced for good by plain local
+Parameters, and forward hooks rebuild DTensors from them for each forward; the user's model then
+holds plain tensors (state_dict, optimizer and clip_grad_norm_ see local shards).
+Here the model keeps its DTensor parameters. Each DTensor parameter P gets a plain leaf L that
+shares P's local storage (``P.to_local().detach().requires_grad_()``), and the C++ reducer is
+given L. For the duration of each FusedReducer.forward, P is replaced in its owning modules by
+``DTensor.from_local(L, P's mesh and placements)``, a differentiable view: backward then
+accumulates the local gradient (in the parameter's placements: DTensor's from_local backward
+redistributes to them) into L.grad, where the reducer's hooks fire and average it over the DP
+group as any other gradient (buckets, reduce_dtype, check_finite, comm hooks unchanged). After
+the forward the module holds P again, so everything outside forward (state_dict, optimizers,
+parameters(), clip_grad_norm_) sees DTensors; at the end of each backward P.grad is published as
+a DTensor view of L.grad (same storage: clipping or zeroing P.grad acts on what the reducer
+wrote, and an optimizer step on P updates L's storage). Before each forward L.grad follows
+P.grad (zero_grad(set_to_none=True) on P clears L.grad; a P.grad set by hand becomes L.grad).
+Parameters sharded over mesh dimensions that include data-parallel ranks are refused: their
+shards differ across the DP group, so averaging them is meaningless (that is FSDP's layout).
+"""
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FusedReducerError
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None
+    Replicate = None
+
+
+def is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_of(t):
+    """The local tensor of a DTensor (detached), else `t` itself."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local().detach()
+    return t
+
+
+def _sharded_dims(p):
+    """The mesh dimensions over which DTensor `p` is not replicated."""
+    return tuple(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+
+
+def _refuse_sharded_over_dp(name, p, dp_group):
+    dp_ranks = set(dist.get_process_group_ranks(dp_group))
+    for dim in _sharded_dims(p):
+        dim_ranks = set(dist.get_process_group_ranks(p.device_mesh.get_group(dim)))
+        if len(dim_ranks & dp_ranks) > 1:
+            dim_name = (p.device_mesh.mesh_dim_names or [None] * p.device_mesh.ndim)[dim]
+            label = f"'{dim_name}'" if dim_name else str(dim)
+            raise FusedReducerError(
+                f"FusedReducer: parameter '{name}' is a DTensor with placements "
+                f"{tuple(p.placements)} on {p.device_mesh}: it is sharded ({p.placements[dim]}) "
+                f"over mesh dimension {label}, whose ranks {sorted(dim_ranks)} include ranks of the "
+                f"data-parallel group FusedReducer averages over ({sorted(dp_ranks)}). Its shards "
+                "differ across that group, so they cannot be averaged. Shard parameters over the "
+                "tensor-parallel dimension only (parallelize_module(model, mesh['tp'], plan)) and "
+                "pass the data-parallel dimension to FusedReducer (device_mesh=mesh['dp']); for "
+                "parameters sharded over the data-parallel dimension use FSDP "
+                "(torch.distributed.fsdp.fully_shard).")
+
+
+class _Entry:
+    __slots__ = ("name", "param", "leaf", "owners", "spec")
+
+    def __init__(self, name, param, owners):
+        self.name = name
+        self.param = param
+        with torch.no_grad():
+            local = param.to_local()
+        self.leaf = local.detach().requires_grad_(True)
+        self.owners = owners  # [(module, attribute)] holding `param` (tied: several)
+        self.spec = (param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+    def as_dtensor(self, tensor):
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+
+class TensorParallelParameters:
+    """The DTensor parameters of a wrapped module and their plain leaves: see Note [DTensor
+    parameters]. `reduced(named)` is what the C++ reducer is given."""
+
+    def __init__(self, module, named, dp_group):
+        owners = {}
+        for qualified, p in module.named_parameters(remove_duplicate=False):
+            if is_dtensor(p):
+                owner_name, _, attr = qualified.rpartition(".")
+                owners.setdefault(id(p), []).append((module.get_submodule(owner_name), attr))
+        self.entries = {}  # id(param) -> _Entry
+        for name, p in named:
+            if is_dtensor(p):
+                _refuse_sharded_over_dp(name, p, dp_group)
+                self.entries[id(p)] = _Entry(name, p, owners[id(p)])
+        # Per reduced parameter (reducer index): the mesh dims its local shard is split over.
+        self.sharding = [(self.entries[id(p)].param.device_mesh, _sharded_dims(p))
+                         if id(p) in self.entries else None for _, p in named]
+
+    def __bool__(self):
+        return bool(self.entries)
+
+    def reduced(self, named):
+        """The tensors the C++ reducer reduces: the leaf of each DTensor parameter, the others
+        as they are."""
+        return [self.entries[id(p)].leaf if id(p) in self.entries else p for _, p in named]
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """During a forward: each DTensor parameter replaced by a DTensor view of its leaf, so
+        that backward accumulates into the leaf."""
+        replaced = []
+        try:
+            for e in self.entries.values():
+                view = e.as_dtensor(e.leaf)
+                for owner, attr in e.owners:
+                    owner._parameters[attr] = view
+                    replaced.append((owner, attr, e.param))
+            yield
+        finally:
+            for owner, attr, param in replaced:
+                owner._parameters[attr] = param
+
+    def adopt_gradients(self):
+        """Before a forward: each leaf's .grad follows its parameter's (see Note [DTensor
+        parameters]); a parameter whose local storage was replaced is refused."""
+        for e in self.entries.values():
+            with torch.no_grad():
+                local = e.param.to_local()
+            if local.data_ptr() != e.leaf.data_ptr() or local.shape != e.leaf.shape:
+                raise FusedReducerError(
+                    f"FusedReducer: the local tensor of DTensor parameter '{e.name}' was replaced "
+                    "after wrapping (param.data = ..., load_state_dict(assign=True), or a new "
+                    "DTensor): the reducer still holds the old storage. Update parameters in "
+                    "place (load_state_dict without assign, param.copy_), or wrap the module again.")
+            grad = e.param.grad
+            if grad is None:
+                e.leaf.grad = None
+            else:
+                local_grad = grad.to_local() if is_dtensor(grad) else grad
+                if e.leaf.grad is None or local_grad.data_ptr() != e.leaf.grad.data_ptr():
+                    e.leaf.grad = local_grad.detach()
+
+    def publish_gradients(self):
+        """After a backward: P.grad = a DTensor view of L.grad (None where L has none)."""
+        with torch.no_grad():
+            for e in self.entries.values():
+                grad = e.leaf.grad
+                if grad is None:
+                    e.param.grad = None
+                    continue
+                current = e.param.grad
+                if (current is not None and is_dtensor(current)
+                        and current._local_tensor.data_ptr() == grad.data_ptr()
+                        and current._local_tensor.shape == grad.shape):
+                    continue
+                e.param.grad = e.as_dtensor(grad)
+
+    def clip_targets(self, params):
+        """Tensors whose .grad clipping scales, for `params` (those with a gradient): a DTensor
+        parameter's leaf (its DTensor .grad is a view of the leaf's), else the parameter (a
+        frozen DTensor one: the local view of its gradient, wrapped in a throwaway leaf)."""
+        out = []
+        for p in params:
+            e = self.entries.get(id(p))
+            if e is not None:
+                out.append(e.leaf)
+            elif is_dtensor(p.grad):
+                local = local_of(p.grad)
+                holder = local.detach().requires_grad_()
+                holder.grad = local
+                out.append(holder)
+            else:
+                out.append(p)
+        return [t for t in out if t.grad is not None]
+
+    # -- the global norm -----------------------------------------------------------------------
+    def global_norm(self, reduced_grads, norm_type, from_copy=None, extra=()):
+        """The norm torch.nn.utils.clip_grad_norm_ computes over DTensor gradients: local shards
+        of sharded parameters summed over the mesh dimensions they are split over, replicated
+        ones counted once. `reduced_grads`: the reducer's parameters' local gradients (None
+        where absent), by reducer index; `from_copy`: (sum of squares, sum of abs, max abs) the
+        reducer's copy accumulated over all of them (Note [Statistics from the copy]), or None;
+        `extra`: local gradients of parameters outside the reducer, counted as replicated.
+        Collective over the tensor-parallel groups. Returns a float64 tensor or None when
+        `from_copy` cannot be used."""
+        reduced_grads = list(reduced_grads) + list(extra)
+        shardings = self.sharding + [None] * len(extra)
+        groups = {}  # (mesh, dims) -> indices of the gradients split over them
+        replicated = []
+        for i, (grad, sharding) in enumerate(zip(reduced_grads, shardings)):
+            if grad is None:
+                continue
+            if sharding is None or not sharding[1]:
+                replicated.append(i)
+            else:
+                groups.setdefault((id(sharding[0]), sharding[1]), (sharding, []))[1].append(i)
+        groups = list(groups.values())
+
+        def part(indices, p):
+            if p == math.inf:
+                return max((float(reduced_grads[i].detach().abs().max())
+                            for i in indices if reduced_grads[i].numel()), default=0.0)
+            return sum(float(torch.linalg.vector_norm(reduced_grads[i].detach(), p,
+                                                      dtype=torch.float64)) ** p
+                       for i in indices)
+
+        def over(sharding, value, op):
+            mesh, dims = sharding
+            t = torch.tensor([value], dtype=torch.float64)
+            for dim in dims:
+                dist.all_reduce(t, op=op, group=mesh.get_group(dim))
+            return float(t[0])
+
+        if norm_type == math.inf:
+            op = dist.ReduceOp.MAX
+            if from_copy is not None and len(groups) == 1:
+                return torch.tensor(over(groups[0][0], from_copy[2], op), dtype=torch.float64)
+            total = part(replicated, norm_type)
+            for sharding, indices in groups:
+                total = max(total, over(sharding, part(indices, norm_type), op))
+            return torch.tensor(total, dtype=torch.float64)
+        op = dist.ReduceOp.SUM
+        rep = part(replicated, norm_type)
+        if from_copy is not None and len(groups) == 1:
+            copied = from_copy[0] if norm_type == 2.0 else from_copy[1]
+            total = rep + over(groups[0][0], max(copied - rep, 0.0), op)
+        else:
+            total = rep + sum(over(sharding, part(indices, norm_type), op)
+                              for sharding, indices in groups)
+        return torch.tensor(total ** (1.0 / norm_type), dtype=torch.float64)
