@@ -208,3 +208,15 @@ def test_ddp_restarts_under_the_same_launcher_set_up(tmp_path):
     rc, output, reports, _ = launch(tmp_path, "ddp")
     check_restarted_run(rc, output, reports, "DDP")
     assert reports[1, 0].get("removed_torch_keys"), summary(reports)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_a_sharded_optimizer_resumes_from_its_dcp_checkpoint_after_a_torchrun_restart(tmp_path):
+    """Issue 41: the same restart with a ShardedOptimizer whose checkpoint every rank writes its
+    part of (dcp.save of sharded_state_dict()); attempt 1 loads it the documented way and ends
+    where a run without a restart ends (the float64 reference)."""
+    require_torchrun()
+    rc, output, reports, _ = launch(tmp_path, "fused-sharded")
+    check_restarted_run(rc, output, reports, "FusedReducer + ShardedOptimizer")
+    files = sorted(os.listdir(tmp_path / "checkpoint.dcp"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files

@@ -3,7 +3,8 @@
     python -m torch.distributed.run ... torchrun_restart_worker.py OUTDIR MODE
 
 MODE 'fused' wraps the model in FusedReducer(backend='auto'), MODE 'ddp' in DDP (to check that
-the launcher set-up itself restarts cleanly). Attempt 0 (TORCHELASTIC_RESTART_COUNT=0) trains,
+the launcher set-up itself restarts cleanly), MODE 'fused-sharded' in FusedReducer with a
+ShardedOptimizer checkpointed through torch.distributed.checkpoint (sharded_job). Attempt 0 (TORCHELASTIC_RESTART_COUNT=0) trains,
 rank 0 saves a checkpoint after CHECKPOINT_AFTER steps, and rank 1 SIGKILLs itself in the middle
 of step KILL_AT (after its forward, before its backward), so rank 0 is left waiting in that
 step's all-reduce. torchrun then restarts both ranks; attempt 1 loads the checkpoint and trains to
@@ -88,9 +89,13 @@ def main(outdir, mode):
     os.rename(hang_path, os.path.join(outdir, f"hang_attempt{attempt}_rank{rank}.txt"))
     checkpoint = os.path.join(outdir, "checkpoint.pt")
     model = make_model()
-    optimizer = make_optimizer(model.parameters())
     start = 0
-    if attempt > 0:
+    if mode == "fused-sharded":
+        wrapped, optimizer, start = sharded_job(model, outdir, attempt)
+        backend = wrapped.backend
+    else:
+        optimizer = make_optimizer(model.parameters())
+    if attempt > 0 and mode != "fused-sharded":
         state = torch.load(checkpoint)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -99,7 +104,7 @@ def main(outdir, mode):
         from fused_reducer import FusedReducer
         wrapped = FusedReducer(model, backend="auto", timeout=timedelta(seconds=20))
         backend = wrapped.backend
-    else:
+    elif mode == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
         backend = dist.get_backend()
     report = {"attempt": attempt, "rank": rank, "world": world, "mode": mode, "backend": backend,
@@ -110,7 +115,9 @@ def main(outdir, mode):
     write_json(path, report)
     loss_fn = nn.MSELoss()
     for step in range(start, STEPS):
-        if step == CHECKPOINT_AFTER and rank == 0 and attempt == 0:
+        if step == CHECKPOINT_AFTER and attempt == 0 and mode == "fused-sharded":
+            write_sharded_checkpoint(outdir, model, optimizer, step)  # every rank writes its part
+        elif step == CHECKPOINT_AFTER and rank == 0 and attempt == 0:
             # Before step 4's all-reduce: once rank 1 has finished step 4, the checkpoint exists.
             write_checkpoint(checkpoint, model, optimizer, step)
         x, y = batch(step, rank)
@@ -126,7 +133,7 @@ def main(outdir, mode):
         write_json(path, report)
     report["final"] = [p.detach().double().flatten().tolist() for p in model.parameters()]
     write_json(path, report)
-    if mode == "fused":
+    if mode.startswith("fused"):
         wrapped.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -155,6 +162,29 @@ def forget_dead_attempts_torch_keys(attempt, rank):
         return {**state, "removed_torch_keys": None}
     from fused_reducer.elastic import forget_dead_attempt_keys
     return {**state, "removed_torch_keys": forget_dead_attempt_keys()["removed"]}
+
+
+def sharded_job(model, outdir, attempt):
+    """MODE 'fused-sharded': FusedReducer + ShardedOptimizer(SGD), checkpointed with
+    torch.distributed.checkpoint (each rank writes its fragments); a restarted attempt resumes
+    from it the documented way. Returns (wrapped, optimizer, the step to start at)."""
+    import torch.distributed.checkpoint as dcp
+    from fused_reducer import FusedReducer, ShardedOptimizer
+    wrapped = FusedReducer(model, backend="auto", timeout=timedelta(seconds=20))
+    optimizer = ShardedOptimizer(wrapped, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    if attempt == 0:
+        return wrapped, optimizer, 0
+    sd = {"model": model.state_dict(), "optim": optimizer.sharded_state_dict(), "next_step": 0}
+    dcp.load(sd, checkpoint_id=os.path.join(outdir, "checkpoint.dcp"))
+    model.load_state_dict(sd["model"])
+    optimizer.load_sharded_state_dict(sd["optim"])
+    return wrapped, optimizer, sd["next_step"]
+
+
+def write_sharded_checkpoint(outdir, model, optimizer, next_step):
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model": model.state_dict(), "optim": optimizer.sharded_state_dict(),
+              "next_step": next_step}, checkpoint_id=os.path.join(outdir, "checkpoint.dcp"))
 
 
 def write_checkpoint(path, model, optimizer, next_step):

@@ -22,9 +22,11 @@ or reduction over a parameter): the list below; others are refused. After the up
 bucket's parameters are all-gathered, so every rank holds the whole updated model.
 
 State moves with the layout: when the reducer rebuilds its buckets (after the first step, or when
-a limit changes), the fragments change. The state is consolidated into the plain optimizer's
-format under the old fragments (state_dict(), collective), and loaded under the new ones
-(load_state_dict()): the same two functions a checkpoint uses, so there is one way state moves.
+a limit changes), the fragments change. Each parameter's state is assembled from the old
+fragments of every rank, one parameter at a time, and the new fragments take their stretch of it
+(_full_states, _move): the same path moves the stretches of a sharded checkpoint into the
+fragments of another layout or world size, and builds the plain state_dict(), so there is one way
+state moves and no rank ever holds more than its own state and one parameter's.
 
 step() consumes the gradients (the all-gather reuses their buckets): a second step() before the
 next backward updates nothing. Only the last synchronised backward's shard is kept, so two of
@@ -70,6 +72,9 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import ShardedOptimizerError
 from ..core.wrapper import FusedReducer
+from . import checkpoint
+from .checkpoint import per_element as _per_element
+from .checkpoint import storage_order as _storage_order  # the order of a bucket slot: Note [Slot layout]
 
 # Optimizers whose update of an element depends only on that element's gradient, state and the
 # group's hyperparameters (and a per-parameter step count).
@@ -117,12 +122,6 @@ def _dense(tensor):
         return False
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return span == tensor.numel()
-
-
-def _storage_order(tensor):
-    """A 1-D view of a dense tensor in the order its elements sit in memory (the order of its
-    bucket slot: Note [Slot layout])."""
-    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -175,6 +174,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._cleared_step = model._attachment.reducer.completed_steps()
         self._zeros_kept = False  # the last zero_grad() was set_to_none=False
         self._layout_changed = False
+        # {param index: (begin, end, state)}: stretches of a sharded checkpoint loaded before the
+        # first sharded layout (Note [Sharded checkpoint format])
+        self._loaded_pieces = None
 
     def _adopt(self, g, group):
         """Checks group `g`'s parameters and maps the model's to it. Frozen parameters
@@ -223,12 +225,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         self._layout_changed = False
         self.finish_param_gather()
-        moved = self._plain_state() if self._inner is not None else None
+        # The state moves with its elements: from the old fragments, or from the stretches a
+        # sharded checkpoint loaded before the first sharded layout existed.
+        pieces = self._fragment_pieces() if self._inner is not None else self._loaded_pieces
+        self._loaded_pieces = None
         self._build(layout)
-        if moved is not None:
-            self._distribute(moved)
+        if pieces is not None:
+            self._move(pieces)
         elif self.state:
-            self._distribute_loaded()  # loaded before the first sharded layout existed
+            self._distribute_loaded()  # a plain state_dict loaded before the first layout
 
     def _build(self, layout):
         bucket_params, bucket_offsets, numels = layout
@@ -535,44 +540,197 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plain_of = {self._index[id(p)]: i for i, p in
                     enumerate(p for group in self.param_groups for p in group["params"])
                     if id(p) in self._index}
-        # What each rank holds: per parameter, its tensor keys (with dtype) and its other values.
-        local = {}
-        for f in self._fragments:
-            state = self._fragment_state(f) if f.index in plain_of else None
-            if not state:
-                continue
-            entry = local.setdefault(f.index, {})
+        result = {}
+        for index, state in self._full_states(self._live_pieces()):
             for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    entry[key] = ("tensor", value.dtype)
-                else:  # a step count: kept on its own device (CPU for a non-capturable Adam)
-                    entry.setdefault(key, ("value", (value.cpu(), str(value.device))
-                                           if torch.is_tensor(value) else value))
-        everyone = [None] * dist.get_world_size(self.model.process_group)
-        dist.all_gather_object(everyone, local, group=self.model.process_group)
-        keys = {}
+                if _per_element(key, value, params[index]):
+                    shaped = torch.empty_like(params[index], dtype=value.dtype)
+                    _storage_order(shaped).copy_(value)
+                    state[key] = shaped
+            result[plain_of[index]] = state
+        return dict(sorted(result.items()))
+
+    def _full_states(self, pieces):
+        """Yield (param index, {key: the whole flat state tensor, or a value}) one parameter at a
+        time, in the same order on every rank, from `pieces` ({param index: (begin, end,
+        state)}: this rank's stretches). Collective; a parameter's pieces are dropped once it is
+        assembled, so no rank holds more than its stretches and one parameter's state."""
+        params = self.model._attachment.params
+        group = self.model.process_group
+        # What each parameter's state is, from any rank holding a stretch of it (small): the
+        # per-element keys' dtypes, the scalars' values (kept on their device: CPU for Adam's).
+        local = {index: {key: (("tensor", value.dtype) if _per_element(key, value, params[index])
+                               else ("value", (value.cpu(), str(value.device))
+                                     if torch.is_tensor(value) else value))
+                         for key, value in state.items()}
+                 for index, (_, _, state) in pieces.items()}
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, local, group=group)
+        kinds = {}
         for theirs in everyone:
             for index, entry in theirs.items():
-                for key, (kind, value) in entry.items():
-                    keys.setdefault(index, {}).setdefault(key, (kind, value))
-        result = {}
-        for index in sorted(keys, key=lambda i: plain_of[i]):
-            param = params[index]
+                for key, kind in entry.items():
+                    kinds.setdefault(index, {}).setdefault(key, kind)
+        for index in sorted(kinds):
+            begin, end, mine = pieces.pop(index, (0, 0, {}))
             state = {}
-            for key, (kind, value) in keys[index].items():
+            for key in sorted(kinds[index]):
+                kind, value = kinds[index][key]
                 if kind == "value":
                     state[key] = value[0].to(value[1]) if isinstance(value, tuple) else value
                     continue
-                full = torch.zeros_like(param, dtype=value)
-                flat = _storage_order(full)
-                for f in self._of_param.get(index, ()):
-                    mine = self._fragment_state(f)
-                    if key in mine:
-                        flat[f.begin:f.end] = mine[key]
-                dist.all_reduce(full, group=self.model.process_group)  # others hold zeros there
+                full = torch.zeros(params[index].numel(), dtype=value, device=self.model.device)
+                if key in mine:
+                    full[begin:end] = mine[key].reshape(-1)
+                dist.all_reduce(full, group=group)  # the other ranks hold zeros there
                 state[key] = full
-            result[plain_of[index]] = state
-        return result
+            del mine
+            yield index, state
+
+    def _move(self, pieces):
+        """The fragments of the layout in force take their state from `pieces` (this rank's
+        stretches under another layout, world size or an even split). Collective."""
+        for index, state in self._full_states(pieces):
+            for f in self._of_param.get(index, ()):
+                mine = {}
+                for key, value in state.items():
+                    if not _per_element(key, value, self.model._attachment.params[index]):
+                        mine[key] = value.clone() if torch.is_tensor(value) else value
+                    elif key != "master_param":
+                        mine[key] = value[f.begin:f.end].to(f.opt.dtype, copy=True)
+                    elif f.opt is not f.view:
+                        f.opt.copy_(value[f.begin:f.end])
+                self._inner.state[f.opt] = mine
+
+    def _fragment_pieces(self):
+        """{param index: (begin, end, state)}: this rank's fragments' state (one fragment per
+        parameter: a parameter is in one bucket, and a rank's shard of it is one stretch)."""
+        return {f.index: (f.begin, f.end, state) for f in self._fragments
+                if (state := self._fragment_state(f))}
+
+    def _live_pieces(self):
+        """This rank's stretches of the state, wherever the state is now: the fragments, the
+        stretches loaded before the first sharded layout, or a plain state_dict loaded before
+        it (cut into the even split)."""
+        if self._inner is not None:
+            return self._fragment_pieces()
+        if self._loaded_pieces is not None:
+            return dict(self._loaded_pieces)
+        pieces = {}
+        params = self.model._attachment.params
+        world = dist.get_world_size(self.model.process_group)
+        rank = dist.get_rank(self.model.process_group)
+        for index in self._group_of:
+            full = self.state.get(params[index])
+            stretch = checkpoint.even_range(params[index].numel(), world, rank)
+            if full and stretch:
+                begin, end = stretch
+                pieces[index] = (begin, end, {
+                    key: (_storage_order(checkpoint.dense_like(value, params[index]))[begin:end]
+                          if _per_element(key, value, params[index]) else value)
+                    for key, value in full.items()})
+        return pieces
+
+    # -- sharded checkpoints: torch.distributed.checkpoint ----------------------------------------
+    def sharded_state_dict(self):
+        """This rank's part of the optimizer state for torch.distributed.checkpoint: dcp.save
+        writes each rank's fragments (views, nothing copied), dcp.load fills it in place for
+        load_sharded_state_dict, at any world size and bucket layout. Call it on every rank.
+        Note [Sharded checkpoint format] in sharded/checkpoint.py."""
+        return self._sharded_state_dict(fresh=False)
+
+    def _sharded_state_dict(self, fresh):
+        """fresh: zeros to be filled instead of views of the live state."""
+        self.finish_param_gather()
+        self._ensure_fragments()
+        params = self.model._attachment.params
+        name_of = checkpoint.names_of(self.model.module)
+        world = dist.get_world_size(self.model.process_group)
+        rank = dist.get_rank(self.model.process_group)
+        live = {} if fresh else self._live_pieces()
+        state, has_state, templates = {}, {}, {}
+        for index in sorted(self._group_of):
+            p, name = params[index], name_of[id(params[index])]
+            if self._inner is not None:
+                mine = self._of_param.get(index)
+                stretch = (mine[0].begin, mine[0].end) if mine else None
+            else:
+                stretch = checkpoint.even_range(p.numel(), world, rank)
+            if stretch is None:
+                continue  # another rank holds all of it
+            held = live.get(index)
+            has_state[name] = bool(held)
+            if held:
+                begin, _, values = held
+                state[name] = {k: (checkpoint.as_piece(v, p.numel(), begin)
+                                   if _per_element(k, v, p) else v) for k, v in values.items()}
+                continue
+            master = (self.master_dtype if self.master_dtype not in (None, p.dtype) else None)
+            key = (self._group_of[index], master or p.dtype)
+            if key not in templates:
+                options = {k: v for k, v in self.param_groups[key[0]].items() if k != "params"}
+                templates[key] = checkpoint.state_template(self.optimizer_class, options, key[1],
+                                                           p.device)
+                if master:
+                    templates[key]["master_param"] = (True, torch.zeros(1, dtype=master))
+            state[name] = checkpoint.template_entry(templates[key], p.numel(), *stretch,
+                                                    p.device)
+        return {"optimizer": self.optimizer_class.__name__,
+                "param_groups": checkpoint.groups_by_name(self.param_groups, name_of),
+                "has_state": has_state, "state": state}
+
+    def load_sharded_state_dict(self, state_dict):
+        """Apply what sharded_state_dict() returned once dcp.load filled it: saved at any world
+        size, bucket layout, reduce_dtype or master_dtype, or from a plain optimizer
+        (fused_reducer.sharded.checkpoint.plain_optimizer_state_dict). A checkpoint of another
+        optimizer class or other parameter groups raises and changes nothing. Collective."""
+        self.finish_param_gather()
+        self._ensure_fragments()
+        params = self.model._attachment.params
+        name_of = checkpoint.names_of(self.model.module)
+        checkpoint.check_loadable(self.optimizer_class, self.param_groups, name_of, state_dict)
+        index_of = {name_of[id(params[i])]: i for i in self._group_of}
+        pieces = {}
+        for name, entry in state_dict["state"].items():
+            if not state_dict["has_state"].get(name) or name not in index_of:
+                continue
+            index = index_of[name]
+            stretch, values = None, {}
+            for key, value in entry.items():
+                if _per_element(key, value, params[index]):
+                    stretch = checkpoint.piece_range(value)
+                    value = value.detach().reshape(-1)  # a plain tensor again
+                values[key] = value
+            if stretch is not None:
+                pieces[index] = (*stretch, values)
+        checkpoint.apply_group_options(self.param_groups, state_dict)
+        self.state.clear()
+        if self._inner is None:
+            self._loaded_pieces = pieces  # moved into the fragments of the first layout
+            return
+        self._inner.state.clear()
+        # The same layout as the one the dict was made for: every fragment adopts its stretch.
+        same = all((f.begin, f.end) == pieces[f.index][:2]
+                   for f in self._fragments if f.index in pieces)
+        same = torch.tensor([int(same and len(pieces) == len(
+            {f.index for f in self._fragments if f.index in pieces}))],
+            device=self.model._attachment.control_device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.model.process_group)  # all or none
+        if not bool(same.item()):
+            self._move(pieces)
+            return
+        for f in self._fragments:
+            if f.index not in pieces:
+                continue
+            mine = {}
+            for key, value in pieces[f.index][2].items():
+                if not _per_element(key, value, params[f.index]):
+                    mine[key] = value
+                elif key != "master_param":
+                    mine[key] = value.to(f.opt.dtype)
+                elif f.opt is not f.view:
+                    f.opt.copy_(value)
+            self._inner.state[f.opt] = mine
 
     def _fragment_state(self, f):
         """The optimizer's state of fragment `f`, with its master copy as "master_param"."""
@@ -580,14 +738,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if state and f.opt is not f.view:
             state["master_param"] = f.opt
         return state
-
-    def _distribute(self, plain_state):
-        """Load {plain index: state} (as _plain_state returns) into the fragments."""
-        params_in_order = [p for group in self.param_groups for p in group["params"]]
-        self.state.clear()
-        for plain, state in plain_state.items():
-            self.state[params_in_order[plain]] = state
-        self._distribute_loaded()
 
     def _distribute_loaded(self):
         """self.state (full tensors, keyed by parameter) -> the fragments' state; then drops it."""
@@ -599,9 +749,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine = {}
             for key, value in full.items():
                 if _per_element(key, value, params[f.index]):
-                    ordered = torch.empty_like(params[f.index], dtype=value.dtype)
-                    ordered.copy_(value)
-                    piece = _storage_order(ordered)[f.begin:f.end]
+                    piece = _storage_order(
+                        checkpoint.dense_like(value, params[f.index]))[f.begin:f.end]
                     if key != "master_param":
                         mine[key] = piece.to(f.opt.dtype, copy=True)
                     elif f.opt is not f.view:
@@ -610,17 +759,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     mine[key] = value.clone() if torch.is_tensor(value) else value
             self._inner.state[f.opt] = mine
         self.state.clear()
-
-
-# What the ELEMENTWISE optimizers keep once per parameter rather than per element.
-_SCALAR_STATE = ("step", "mu_product")
-
-
-def _per_element(key, value, param):
-    """Whether optimizer state `key` of `param` holds one value per element (moments, masters)
-    rather than one for the parameter (a step count, NAdam's mu_product). A
-    0-dim parameter's moments are 0-dim too: there only the key tells."""
-    if not torch.is_tensor(value):
-        return False
-    return value.dim() > 0 if param.dim() > 0 else key not in _SCALAR_STATE
 
