@@ -22,6 +22,7 @@ the same data) is the independent reference both are measured against.
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -32,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fused_reducer  # noqa: E402
-from common import add_launch_args, ddp_best_kwargs, launch, median, print0  # noqa: E402
+from common import add_launch_args, ddp_best_kwargs, launch, print0  # noqa: E402
 from models import ModelSpec, expand  # noqa: E402
 
 WAYS = ("ddp", "sharded", "sharded-overlap", "zero")
@@ -119,7 +120,7 @@ def worker(ctx, args):
         ddp, sharded = built["ddp"][0].module, built["sharded"][0].module
         diff = max_difference(ddp, sharded)
         params = sum(p.numel() for p in ddp.parameters())
-        base = median(times["ddp"])
+        base = statistics.median(times["ddp"])
         transport = built["sharded"][0].backend
         print0(ctx, f"{name} ({params / 1e6:.1f}M parameters, {ctx.world_size} ranks, "
                     f"{transport} transport, {args.warmup + args.steps} steps; "
@@ -130,11 +131,11 @@ def worker(ctx, args):
                         f"max |sharded - f64| {max_difference(sharded, f64):.2e}")
         for way in ways:
             per_rank = [g[way] for g in gathered]
-            print0(ctx, f"  {way:15s} step {median(times[way]) * 1e3:8.1f} ms  "
-                        f"ratio {median(times[way]) / base:5.3f}  optimizer state per rank "
+            print0(ctx, f"  {way:15s} step {statistics.median(times[way]) * 1e3:8.1f} ms  "
+                        f"ratio {statistics.median(times[way]) / base:5.3f}  optimizer state per rank "
                         f"{', '.join(f'{b / 2**20:.1f}' for b in per_rank)} MiB")
-            rows.append(dict(model=name, way=way, step_ms=median(times[way]) * 1e3,
-                             ratio=median(times[way]) / base, state_mib=max(per_rank) / 2**20))
+            rows.append(dict(model=name, way=way, step_ms=statistics.median(times[way]) * 1e3,
+                             ratio=statistics.median(times[way]) / base, state_mib=max(per_rank) / 2**20))
         for model, opt in built.values():
             if isinstance(model, fused_reducer.FusedReducer):
                 model.close()
