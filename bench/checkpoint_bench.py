@@ -1,12 +1,11 @@
 """Save and load time and peak memory of a ShardedOptimizer's checkpoint, two ways (issue 41):
 
     sharded  dcp.save({"optim": opt.sharded_state_dict()}): each rank writes its fragments;
-             load: a fresh optimizer, dcp.load + load_sharded_state_dict, then one step (the
-             loaded stretches move into the first layout's fragments there)
+             load: a fresh optimizer, dcp.load + load_sharded_state_dict
     plain    torch.save(opt.state_dict()) on rank 0: the state consolidated on every rank;
-             load: torch.load + load_state_dict on every rank, then one step
-    step alone  the first step of a fresh job without loading: what a load's row includes
-             besides the load (the fresh state it allocates, the gradients)
+             load: torch.load + load_state_dict on every rank
+    placing  after a load, the first forward's sharded layout: the loaded state moves into this
+             rank's fragments (timed in the grad_norm() that triggers it)
 
 Memory is each rank's resident set (RSS, sampled every millisecond by a thread) above what it
 was just before the operation: its peak, against the rank's own share of the optimizer state
@@ -44,9 +43,14 @@ def rss():
 
 
 class PeakRSS:
-    """The peak resident set above the start, sampled every millisecond while in the block."""
+    """Two peaks above the start while in the block: the resident set (sampled every
+    millisecond: what the OS sees, allocator caching included) and the bytes of live tensors
+    (torch's profiler, profile_memory: what the code materialises at once)."""
 
     def __enter__(self):
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                profile_memory=True)
+        self._profiler.__enter__()
         self.start = rss()
         self.peak = self.start
         self._stop = threading.Event()
@@ -66,6 +70,15 @@ class PeakRSS:
         self._thread.join()
         self.peak = max(self.peak, rss())
         self.extra = self.peak - self.start
+        self._profiler.__exit__(*exc)
+        # An op's own allocations and frees are its self_cpu_memory_usage; frees outside any
+        # op (a tensor's last reference dropped) are "[memory]" events.
+        live = peak = 0
+        for event in sorted(self._profiler.events(), key=lambda e: e.time_range.start):
+            live += (event.cpu_memory_usage if event.name == "[memory]"
+                     else event.self_cpu_memory_usage)
+            peak = max(peak, live)
+        self.tensors = peak
 
 
 def build(args, ctx):
@@ -110,7 +123,7 @@ def worker(ctx, args):
     dist.barrier()
     with PeakRSS() as m:
         dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path + ".dcp")
-    results["sharded save"] = (m.seconds, m.extra)
+    results["sharded save"] = (m.seconds, m.extra, m.tensors)
     dist.barrier()
     with PeakRSS() as m:
         sd = opt.state_dict()
@@ -118,7 +131,7 @@ def worker(ctx, args):
             torch.save(sd, path + ".pt")
         del sd
     dist.barrier()
-    results["plain save"] = (m.seconds, m.extra)
+    results["plain save"] = (m.seconds, m.extra, m.tensors)
     files = [os.path.getsize(os.path.join(path + ".dcp", f))
              for f in sorted(os.listdir(path + ".dcp")) if f.endswith(".distcp")]
 
@@ -141,7 +154,7 @@ def worker(ctx, args):
     del model, opt
 
     # -- load into a fresh job ---------------------------------------------------------------
-    for way in ("step alone", "sharded", "plain"):
+    for way in ("sharded", "plain"):
         model, opt = build(args, ctx)
         dist.barrier()
         with PeakRSS() as m:
@@ -150,10 +163,15 @@ def worker(ctx, args):
                 dcp.load(sd, checkpoint_id=path + ".dcp")
                 opt.load_sharded_state_dict(sd["optim"])
                 del sd
-            elif way == "plain":
+            else:
                 opt.load_state_dict(torch.load(path + ".pt"))
-            step(model, opt, args, 12)  # the loaded state moves into the fragments here
-        results[way if way == "step alone" else f"{way} load"] = (m.seconds, m.extra)
+        results[f"{way} load"] = (m.seconds, m.extra, m.tensors)
+        g = torch.Generator().manual_seed(12)
+        model(torch.randn(args.batch, args.width, generator=g)).pow(2).mean().backward()
+        with PeakRSS() as m:
+            opt.grad_norm()  # the first sharded layout: the loaded state moves into its fragments
+        results[f"{way} placing"] = (m.seconds, m.extra, m.tensors)
+        opt.step()
         model.close()
         del model, opt
     dist.barrier()
@@ -170,11 +188,13 @@ def worker(ctx, args):
                 f"parameter's state {largest / MB:.1f} MB")
     print0(ctx, f"rank files: {', '.join(f'{b / MB:.1f} MB' for b in files)} "
                 f"(1/world = {total / ctx.world_size / MB:.1f} MB)")
-    print0(ctx, f"{'':14} {'time s':>8} {'peak extra RSS MB (max over ranks)':>36}")
-    for name in ("sharded save", "plain save", "sharded load", "plain load", "step alone"):
-        seconds = max(e["results"][name][0] for e in everyone)
-        extra = max(e["results"][name][1] for e in everyone)
-        print0(ctx, f"{name:14} {seconds:8.2f} {extra / MB:36.0f}")
+    print0(ctx, f"{'max over ranks':14} {'time s':>8} {'peak extra RSS MB':>18} "
+                f"{'peak live tensors MB':>21}")
+    for name in ("sharded save", "plain save", "sharded load", "sharded placing", "plain load",
+                 "plain placing"):
+        seconds, extra, tensors = (max(e["results"][name][i] for e in everyone)
+                                   for i in range(3))
+        print0(ctx, f"{name:14} {seconds:8.2f} {extra / MB:18.0f} {tensors / MB:21.0f}")
     print0(ctx, f"dcp.async_save: {staged:.2f} s to stage; the step after it {step_after:.2f} s "
                 f"against {plain_step:.2f} s (write {'still' if pending else 'no longer'} "
                 "running when that step ended)")
