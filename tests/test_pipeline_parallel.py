@@ -1,0 +1,156 @@
+"""Pipeline parallel x data parallel (issue 40, point 2): torch.distributed.pipelining's schedules
+driving stages whose modules are FusedReducers over the DP group, through
+fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x 2 DeviceMesh
+("pp", "dp") of 4 gloo ranks. GPipe, 1F1B and Interleaved1F1B (two stages per rank) train exactly as
+a float64 single-process model on the global batch, with one reduction of each bucket per
+schedule step; the split backward of zero-bubble schedules is refused (their weight gradients
+bypass the gradient hooks).
+"""
+import pytest
+import torch
+from torch import nn
+
+from fused_reducer import FusedReducer, FusedReducerError
+from dist_utils import SelectedChecks, per_rank
+
+WORLD = 4
+MICRO = 4
+ROWS = 8      # rows per DP rank and step
+STEPS = 2
+LR = 0.1
+TOL = 2e-6
+WIDTH = 8
+
+checks = SelectedChecks()
+
+
+def _layers(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)).to(dtype)
+
+
+def _data(dp, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + dp)
+    return torch.randn(ROWS, WIDTH, generator=g).to(dtype), torch.randn(ROWS, WIDTH, generator=g).to(dtype)
+
+
+def _loss(out, target):
+    return (out - target).pow(2).mean()
+
+
+def _reference(steps):
+    layers = _layers(torch.float64)
+    model = nn.Sequential(*layers)
+    for step in range(steps):
+        xs, ys = zip(*(_data(d, step, torch.float64) for d in range(2)))
+        model.zero_grad()
+        _loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return [[p.detach().clone() for p in layer.parameters()] for layer in layers]
+
+
+def _run(schedule_name, stages_per_rank=1, **fr_kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed import pipelining
+    from fused_reducer.pipelining import PipelineStage
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    n_stages = 2 * stages_per_rank
+    layers = _layers()
+    per_stage = 4 // n_stages
+    indices = [pp + 2 * i for i in range(stages_per_rank)]  # stage s on pp rank s % 2
+    models, stages = [], []
+    for s in indices:
+        module = nn.Sequential(*layers[s * per_stage:(s + 1) * per_stage])
+        model = FusedReducer(module, device_mesh=mesh["dp"], **fr_kwargs)
+        models.append((s, model))
+        stages.append(PipelineStage(model, s, n_stages, torch.device("cpu"),
+                                    group=mesh["pp"].get_group()))
+    schedule_cls = getattr(pipelining, schedule_name)
+    schedule = schedule_cls(stages if stages_per_rank > 1 else stages[0], n_microbatches=MICRO,
+                            loss_fn=_loss)
+    opt = torch.optim.SGD([p for _, m in models for p in m.parameters()], lr=LR)
+    out = {"reductions": [], "allreduces": [], "buckets": [len(m.bucket_sizes()) for _, m in models]}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        before = [m.stats()["step"] for _, m in models]
+        x, y = _data(dp, step)
+        first, last = 0 in indices, n_stages - 1 in indices
+        kwargs = {}
+        if last:
+            kwargs["target"] = y
+        schedule.step(x, **kwargs) if first else schedule.step(**kwargs)
+        out["reductions"].append([m.stats()["step"] - b for (_, m), b in zip(models, before)])
+        out["allreduces"].append([m.stats()["allreduces"] for _, m in models])
+        opt.step()
+    reference = _reference(STEPS)
+    out["params"] = max(
+        float((p.detach().double() - r).abs().max())
+        for s, m in models
+        for layer, ref_layer in zip(m.module, reference[s * per_stage:(s + 1) * per_stage])
+        for p, r in zip(layer.parameters(), ref_layer))
+    return out
+
+
+def check_gpipe(rank, world):
+    return _run("ScheduleGPipe", bucket_cap_mb=0.0002, first_bucket_mb=0.0002)
+
+
+def check_1f1b(rank, world):
+    return _run("Schedule1F1B")
+
+
+def check_interleaved_1f1b(rank, world):
+    return _run("ScheduleInterleaved1F1B", stages_per_rank=2)
+
+
+def check_zero_bubble_is_refused(rank, world):
+    """What a zero-bubble schedule asks of a stage first: the input half of a split backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fused_reducer.pipelining import PipelineStage
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    model = FusedReducer(nn.Sequential(*_layers()[:2]), device_mesh=mesh["dp"])
+    stage = PipelineStage(model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"),
+                          group=mesh["pp"].get_group())
+    try:
+        stage.backward_maybe_with_nosync("input", {}, last_backward=False)
+    except FusedReducerError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.fixture(scope="module")
+def outcomes(request):
+    return checks.run(request, world_size=WORLD, timeout=240)
+
+
+def _assert_exact_once_per_step(results):
+    for r in results:
+        assert r["params"] < TOL, r
+        assert r["reductions"] == [[1] * len(r["buckets"])] * STEPS, r
+        assert r["allreduces"] == [r["buckets"]] * STEPS, r
+
+
+@checks.uses(check_gpipe)
+def test_gpipe_is_exact_with_one_reduction_per_bucket(outcomes):
+    results = per_rank(outcomes, "check_gpipe")
+    assert all(n > 1 for r in results for n in r["buckets"]), results
+    _assert_exact_once_per_step(results)
+
+
+@checks.uses(check_1f1b)
+def test_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_1f1b"))
+
+
+@checks.uses(check_interleaved_1f1b)
+def test_interleaved_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_interleaved_1f1b"))
+
+
+@checks.uses(check_zero_bubble_is_refused)
+def test_zero_bubble_split_backward_is_refused(outcomes):
+    for r in per_rank(outcomes, "check_zero_bubble_is_refused"):
+        assert "split backward" in r and "Schedule1F1B" in r, r
