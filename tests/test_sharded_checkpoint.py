@@ -134,6 +134,52 @@ def check_resume(rank, world):
     return out
 
 
+def check_save_before_any_step(rank, world):
+    """A checkpoint of optimizers that have not stepped (no state at all), resumed at another
+    world size: they must go on as fresh optimizers (Rprop's step sizes start at lr, not 0; SGD
+    with dampening starts its buffer at the gradient)."""
+    config = _config()
+    out = []
+    for name, (cls, kwargs) in STATELESS.items():
+        path = _path(f"fresh-{name}")
+        if config["phase"] == "save":
+            model = FusedReducer(_net(), bucket_cap_mb=2 * KB / 2**20)
+            opt = ShardedOptimizer(model, cls, **kwargs)
+            dcp.save({"model": model.module.state_dict(), "optim": opt.sharded_state_dict()},
+                     checkpoint_id=path)
+        else:
+            model = FusedReducer(_net(seed=7), bucket_cap_mb=5 * KB / 2**20)
+            opt = ShardedOptimizer(model, cls, **kwargs)
+            sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
+            dcp.load(sd, checkpoint_id=path)
+            model.module.load_state_dict(sd["model"])
+            opt.load_sharded_state_dict(sd["optim"])
+            _train(model, opt, range(SAVED_AT), rank, world)
+            out.append(_params(model))
+        model.close()
+    return out
+
+
+def check_rollback(rank, world):
+    """A live job (a sharded layout, its own state) loads an earlier checkpoint of another world
+    size in place (the documented pattern: dcp.load writes the live fragments) and trains on
+    from there: a roll-back after a loss spike."""
+    model, opt = _sharded(dict(optimizer="AdamW", cap_kb=3))
+    _train(model, opt, range(STEPS - 1), rank, world)
+    sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=_path(_config()["from"]))
+    model.module.load_state_dict(sd["model"])
+    opt.load_sharded_state_dict(sd["optim"])
+    _train(model, opt, range(SAVED_AT, STEPS), rank, world)
+    out = _params(model)
+    model.close()
+    return out
+
+
+STATELESS = {"Rprop": (torch.optim.Rprop, dict(lr=1e-3)),
+             "SGD": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.5))}
+
+
 def check_save_under_ddp(rank, world):
     """DDP + plain AdamW, the plain optimizer saved in the sharded checkpoint format."""
     model = DDP(_net())
@@ -404,3 +450,21 @@ def test_a_checkpoint_that_does_not_fit_raises_naming_what_differs_and_loads_not
                 assert kind == "ShardedOptimizerError", (what, how, kind, message)
             for word in expected:
                 assert word in message, (what, how, word, message)
+
+
+def test_a_checkpoint_saved_before_any_step_resumes_as_fresh_optimizers(env):
+    _run(check_save_before_any_step, 2, env, {"phase": "save"})
+    got = _run(check_save_before_any_step, 3, env, {"phase": "resume"})
+    for i, (cls, kwargs) in enumerate(STATELESS.values()):
+        model = _net()
+        opt = cls(model.parameters(), **kwargs)
+        _train(model, opt, range(SAVED_AT), 0, 1)
+        for params in got:
+            assert _max_diff(params[i], list(model.parameters())) <= 1e-6, cls.__name__
+
+
+def test_a_live_job_rolls_back_to_a_checkpoint_of_another_world_size(env):
+    name = _saved(env, "AdamW", 2, 2, False)
+    for params in _run(check_rollback, 3, env, {"from": name}):
+        assert _max_diff(params, _reference("AdamW", False, False)) <= 1e-6
+
