@@ -876,8 +876,8 @@ MUTATIONS = [
     dict(
         id="sharded-state-not-moved-on-rebuild",
         file="python/fused_reducer/sharded/optimizer.py",
-        edits=[("        if moved is not None:\n            self._distribute(moved)",
-                "        if False:\n            self._distribute(moved)")],
+        edits=[("        if pieces is not None:\n            self._move(pieces)",
+                "        if False:\n            self._move(pieces)")],
         why="when the buckets are rebuilt (after the first step, a limit change) the optimizer "
             "state is not moved to the new fragments: momentum and Adam's moments restart",
         tests=["tests/test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change"],
