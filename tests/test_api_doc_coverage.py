@@ -111,6 +111,15 @@ COVERAGE = {
         "test_gradient_route.py::test_prepare_for_backward_averages_one_more_backward_of_the_same_forward",
         "test_lightning.py::test_manual_optimization_two_backward_passes_per_step",
     ],
+    "`opt.sharded_state_dict()` / `opt.load_sharded_state_dict(sd)`, `fused_reducer.sharded.load_checkpoint(path, module, opt)`": [
+        "test_sharded_checkpoint.py::test_a_checkpoint_resumes_exactly_at_another_world_size_and_layout",
+        "test_sharded_checkpoint.py::test_a_checkpoint_that_does_not_fit_raises_naming_what_differs_and_loads_nothing",
+        "test_sharded_checkpoint.py::test_each_ranks_file_holds_about_one_world_th_of_the_state",
+        "test_sharded_checkpoint.py::test_a_sharded_checkpoint_loads_into_a_plain_optimizer_in_one_process",
+        "test_sharded_checkpoint.py::test_a_ddp_jobs_plain_optimizer_checkpoint_resumes_in_a_sharded_optimizer",
+        "test_sharded_checkpoint.py::test_async_save_holds_the_state_of_its_step",
+        "test_torchrun_restart.py::test_a_sharded_optimizer_resumes_from_its_dcp_checkpoint_after_a_torchrun_restart",
+    ],
     "`fused_reducer.ShardedOptimizer(model, optimizer_class, params=None, master_dtype=None, overlap_param_gather=False, **kwargs)`": [
         "test_sharded.py::test_every_elementwise_optimizer_matches_ddp_through_a_layout_change",
         "test_sharded.py::test_clip_grad_norm_is_ddps_global_norm_and_torch_utilities_reading_param_grad_raise",
