@@ -7,8 +7,9 @@ core/tensor_parallel.py):
   torch's _pre_dp_module_transform, and param.grad keeps the parameter's placements;
 - the norm from the copy is torch.nn.utils.clip_grad_norm_'s over the DTensor gradients (the
   shards summed over the TP group, replicated parameters once), and clipping with it is exact;
-- several buckets, reduce_dtype, check_finite and a DDP comm hook work as on a plain model; a
-  LayerNorm left plain (not a DTensor) and the 1F1B order by hand are exact too;
+- several buckets, reduce_dtype, check_finite, a DDP comm hook and the ShardedOptimizer (its
+  clip_grad_norm_ over the DP and TP shards) work as on a plain model; a LayerNorm left plain
+  (not a DTensor) and two forwards before their backwards are exact too;
 - a parameter sharded over the data-parallel dimension is refused naming it and FSDP.
 """
 import pytest
@@ -211,6 +212,28 @@ def check_buckets_reduce_dtype_check_finite_and_comm_hook(rank, world):
     return out
 
 
+def check_sharded_optimizer(rank, world):
+    """ShardedOptimizer over the DP group: each DP rank updates its shard of the local (TP)
+    gradients; its clip_grad_norm_ is the global norm over the DP shards and the TP shards."""
+    import fused_reducer
+    mesh = _mesh()
+    clip = 0.05
+    model = FusedReducer(_tp_block(mesh), device_mesh=mesh["dp"])
+    opt = fused_reducer.ShardedOptimizer(model, torch.optim.SGD, lr=LR)
+    ref_grads, ref_norms, ref_params = _reference(STEPS, clip=clip)
+    dp = mesh["dp"].get_local_rank()
+    out = {"norm": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(_data(dp, step)).pow(2).mean().backward()
+        out["norm"].append(abs(float(opt.clip_grad_norm_(clip)) - ref_norms[step]))
+        opt.step()
+    out["params"] = _max_diff(dict(model.module.named_parameters()), ref_params)
+    out["placements_kept"] = all(
+        getattr(p, "placements", None) is not None for p in model.module.parameters())
+    return out
+
+
 def check_several_forwards_before_backwards(rank, world):
     mesh = _mesh()
     out = _train(FusedReducer(_tp_block(mesh), device_mesh=mesh["dp"]), mesh, STEPS,
@@ -280,6 +303,12 @@ def test_buckets_reduce_dtype_check_finite_and_comm_hooks(outcomes):
         assert max(r["bf16"]["grads"]) < 2e-3 and r["bf16"]["params"] < 2e-3, r["bf16"]
         assert r["bf16"]["placements_kept"]
         _assert_exact(r["hook"], "comm hook")
+
+
+@checks.uses(check_sharded_optimizer)
+def test_sharded_optimizer_with_dtensor_parameters_clips_by_the_global_norm(outcomes):
+    for r in per_rank(outcomes, "check_sharded_optimizer"):
+        assert r["params"] < TOL and max(r["norm"]) < TOL and r["placements_kept"], r
 
 
 @checks.uses(check_several_forwards_before_backwards)

@@ -60,6 +60,24 @@ class Attachment:
         return self._model._reducer_params()
 
     @property
+    def module_params(self):
+        """The module's own parameter objects, in the same order: a DTensor parameter where the
+        reducer holds its plain leaf (Note [DTensor parameters]), else the same tensors as
+        ``params``."""
+        return self._model._module_params()
+
+    def tensor_parallel_norm(self, indexed_grads, norm_type):
+        """The global norm of averaged gradient pieces [(reducer index, tensor)] spread over
+        the DP ranks (each rank passes its own), with DTensor parameters' shards summed over
+        their tensor-parallel groups (torch's norm for DTensor gradients); None for a model
+        without DTensor parameters. Collective over the DP and TP groups."""
+        tp = self._model._tp
+        if not tp:
+            return None
+        return tp.norm_of_pieces(indexed_grads, norm_type, self._model.process_group,
+                                 self._model._control_device)
+
+    @property
     def param_names(self):
         """Their qualified names, in the same order."""
         return self._model._param_names

@@ -26,6 +26,10 @@ wrote, and an optimizer step on P updates L's storage). Before each forward L.gr
 P.grad (zero_grad(set_to_none=True) on P clears L.grad; a P.grad set by hand becomes L.grad).
 Parameters sharded over mesh dimensions that include data-parallel ranks are refused: their
 shards differ across the DP group, so averaging them is meaningless (that is FSDP's layout).
+A ShardedOptimizer maps the DTensor parameters it is given to the leaves (the attachment's
+module_params) and shards the leaves' buckets; its norm sums the DP shards, then the TP shards
+(norm_of_pieces). In sharded mode P.grad stays None after a synchronised backward: the averaged
+gradient exists only as shards.
 """
 import contextlib
 import math
@@ -78,6 +82,11 @@ def _refuse_sharded_over_dp(name, p, dp_group):
                 "(torch.distributed.fsdp.fully_shard).")
 
 
+def _key(sharding):
+    """None for a replicated parameter, else (mesh, sharded dims) as a hashable key."""
+    return None if sharding is None or not sharding[1] else (id(sharding[0]), sharding[1])
+
+
 class _Entry:
     __slots__ = ("name", "param", "leaf", "owners", "spec")
 
@@ -117,6 +126,11 @@ class TensorParallelParameters:
 
     def __bool__(self):
         return bool(self.entries)
+
+    def module_params(self, reduced):
+        """The module's parameter for each of the reducer's (`reduced`, by index)."""
+        by_leaf = {id(e.leaf): e.param for e in self.entries.values()}
+        return [by_leaf.get(id(t), t) for t in reduced]
 
     def reduced(self, named):
         """The tensors the C++ reducer reduces: the leaf of each DTensor parameter, the others
@@ -160,11 +174,12 @@ class TensorParallelParameters:
                     e.leaf.grad = local_grad.detach()
 
     def publish_gradients(self):
-        """After a backward: P.grad = a DTensor view of L.grad (None where L has none)."""
+        """After a backward: P.grad = a DTensor view of L.grad (None where L has none, or holds
+        the placeholder of a gradient released to a ShardedOptimizer's shards)."""
         with torch.no_grad():
             for e in self.entries.values():
                 grad = e.leaf.grad
-                if grad is None:
+                if grad is None or type(grad) is not torch.Tensor:
                     e.param.grad = None
                     continue
                 current = e.param.grad
@@ -193,57 +208,74 @@ class TensorParallelParameters:
         return [t for t in out if t.grad is not None]
 
     # -- the global norm -----------------------------------------------------------------------
-    def global_norm(self, reduced_grads, norm_type, from_copy=None, extra=()):
+    def _parts(self, indexed_grads, norm_type, extra=()):
+        """Per-rank sums of |g|^p (max |g| for inf) of gradient pieces [(reducer index, tensor)]
+        and of `extra` tensors (counted as replicated), split into the replicated part (slot 0)
+        and one part per tensor-parallel sharding, in an order every rank agrees on (the
+        reducer's parameters' shardings): (float64 tensor of parts, their shardings)."""
+        keys, shardings = [None], [None]
+        for sharding in self.sharding:
+            if _key(sharding) not in keys:
+                keys.append(_key(sharding))
+                shardings.append(sharding)
+        parts = [0.0] * len(keys)
+        inf = norm_type == math.inf
+        pieces = [(keys.index(_key(self.sharding[i])), g) for i, g in indexed_grads]
+        for slot, grad in pieces + [(0, g) for g in extra]:
+            if grad is None or not grad.numel():
+                continue
+            grad = grad.detach()
+            if inf:
+                parts[slot] = max(parts[slot], float(grad.abs().max()))
+            else:
+                parts[slot] += float(torch.linalg.vector_norm(grad, norm_type,
+                                                              dtype=torch.float64)) ** norm_type
+        return torch.tensor(parts, dtype=torch.float64), shardings
+
+    @staticmethod
+    def _total(parts, shardings, norm_type):
+        """Each sharded part reduced over the mesh dimensions it is split over, then combined
+        with the replicated one: the norm as a float64 CPU tensor."""
+        inf = norm_type == math.inf
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        total = float(parts[0])
+        for slot in range(1, len(shardings)):
+            mesh, dims = shardings[slot]
+            part = parts[slot:slot + 1].clone()
+            for dim in dims:
+                dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+            total = max(total, float(part[0])) if inf else total + float(part[0])
+        return torch.tensor(total if inf else total ** (1.0 / norm_type), dtype=torch.float64)
+
+    def global_norm(self, reduced_grads, norm_type, device, from_copy=None, extra=()):
         """The norm torch.nn.utils.clip_grad_norm_ computes over DTensor gradients: local shards
         of sharded parameters summed over the mesh dimensions they are split over, replicated
-        ones counted once. `reduced_grads`: the reducer's parameters' local gradients (None
-        where absent), by reducer index; `from_copy`: (sum of squares, sum of abs, max abs) the
-        reducer's copy accumulated over all of them (Note [Statistics from the copy]), or None;
-        `extra`: local gradients of parameters outside the reducer, counted as replicated.
-        Collective over the tensor-parallel groups. Returns a float64 tensor or None when
-        `from_copy` cannot be used."""
-        reduced_grads = list(reduced_grads) + list(extra)
-        shardings = self.sharding + [None] * len(extra)
-        groups = {}  # (mesh, dims) -> indices of the gradients split over them
-        replicated = []
-        for i, (grad, sharding) in enumerate(zip(reduced_grads, shardings)):
-            if grad is None:
-                continue
-            if sharding is None or not sharding[1]:
-                replicated.append(i)
-            else:
-                groups.setdefault((id(sharding[0]), sharding[1]), (sharding, []))[1].append(i)
-        groups = list(groups.values())
-
-        def part(indices, p):
-            if p == math.inf:
-                return max((float(reduced_grads[i].detach().abs().max())
-                            for i in indices if reduced_grads[i].numel()), default=0.0)
-            return sum(float(torch.linalg.vector_norm(reduced_grads[i].detach(), p,
-                                                      dtype=torch.float64)) ** p
-                       for i in indices)
-
-        def over(sharding, value, op):
-            mesh, dims = sharding
-            t = torch.tensor([value], dtype=torch.float64)
-            for dim in dims:
-                dist.all_reduce(t, op=op, group=mesh.get_group(dim))
-            return float(t[0])
-
-        if norm_type == math.inf:
-            op = dist.ReduceOp.MAX
-            if from_copy is not None and len(groups) == 1:
-                return torch.tensor(over(groups[0][0], from_copy[2], op), dtype=torch.float64)
-            total = part(replicated, norm_type)
-            for sharding, indices in groups:
-                total = max(total, over(sharding, part(indices, norm_type), op))
-            return torch.tensor(total, dtype=torch.float64)
-        op = dist.ReduceOp.SUM
-        rep = part(replicated, norm_type)
-        if from_copy is not None and len(groups) == 1:
-            copied = from_copy[0] if norm_type == 2.0 else from_copy[1]
-            total = rep + over(groups[0][0], max(copied - rep, 0.0), op)
+        ones counted once. `reduced_grads`: the reducer's parameters' local (averaged)
+        gradients, None where absent, by reducer index; `extra`: local gradients of parameters
+        outside the reducer, counted as replicated; `from_copy`: (sum of squares, sum of abs,
+        max abs) the reducer's copy accumulated over all of `reduced_grads` (Note [Statistics
+        from the copy]), or None. With one sharding, the copy gives the sharded part as what is
+        left after the replicated part (one pass over the replicated gradients only).
+        Collective over the tensor-parallel groups (on `device`)."""
+        sharded = [i for i, s in enumerate(self.sharding) if _key(s) is not None]
+        replicated = [i for i, s in enumerate(self.sharding) if _key(s) is None]
+        indexed = list(enumerate(reduced_grads))
+        if from_copy is not None and len({_key(self.sharding[i]) for i in sharded}) == 1 \
+                and not extra:
+            parts, shardings = self._parts([indexed[i] for i in replicated], norm_type)
+            copied = {2.0: from_copy[0], 1.0: from_copy[1], math.inf: from_copy[2]}[norm_type]
+            parts[1] = copied if norm_type == math.inf else max(copied - float(parts[0]), 0.0)
         else:
-            total = rep + sum(over(sharding, part(indices, norm_type), op)
-                              for sharding, indices in groups)
-        return torch.tensor(total ** (1.0 / norm_type), dtype=torch.float64)
+            parts, shardings = self._parts(indexed, norm_type, extra)
+        return self._total(parts.to(device), shardings, norm_type).cpu()
+
+    def norm_of_pieces(self, indexed_grads, norm_type, dp_group, device):
+        """The global norm of gradient pieces [(reducer index, tensor)], each DP rank holding
+        some (a ShardedOptimizer's shards): the per-rank parts summed (max for inf) over the DP
+        group, then each sharded part over the mesh dimensions it is split over. A float64
+        tensor on the CPU."""
+        parts, shardings = self._parts(indexed_grads, norm_type)
+        parts = parts.to(device)
+        inf = norm_type == math.inf
+        dist.all_reduce(parts, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=dp_group)
+        return self._total(parts, shardings, norm_type).cpu()

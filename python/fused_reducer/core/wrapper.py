@@ -553,6 +553,11 @@ class FusedReducer(nn.Module, Joinable):
         """The trainable parameters, in the reducer's index order."""
         return self._params
 
+    def _module_params(self):
+        """The module's parameters in the reducer's index order (DTensors where the reducer holds
+        their leaves)."""
+        return self._tp.module_params(self._params)
+
     @property
     def _attachment(self):
         """What join, the sharded optimizer and the tuning layer use of this model: the group,
@@ -933,7 +938,7 @@ class FusedReducer(nn.Module, Joinable):
             mine = {id(e.param) for e in self._tp.entries.values()} | {id(p) for p in self._params}
             others = [local_of(p.grad) for p in self.module.parameters()
                       if p.grad is not None and id(p) not in mine]
-        total = self._tp.global_norm(reduced, norm_type, copied, others)
+        total = self._tp.global_norm(reduced, norm_type, self._control_device, copied, others)
         dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
         return total.to(device=local_of(grads[0]).device, dtype=dtype)
 

@@ -159,7 +159,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
         self._hooks_traced = False  # some of them run inside a torch.compile graph
-        self._index = {id(p): i for i, p in enumerate(model._attachment.params)}
+        # The model's parameters (DTensors too: Note [DTensor parameters]) and the reducer's.
+        self._index = {id(p): i for params in (model._attachment.params,
+                                               model._attachment.module_params)
+                       for i, p in enumerate(params)}
         self._group_of = {}
         for g, group in enumerate(self.param_groups):
             self._adopt(g, group)
@@ -190,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         f"{tuple(p.shape)}) is not a parameter of the model wrapped by this "
                         "FusedReducer")
                 continue
-            if not _dense(p):
+            if not _dense(self.model._attachment.params[self._index[id(p)]]):
                 name = self.model._attachment.param_names[self._index[id(p)]]
                 raise ShardedOptimizerError(
                     f"ShardedOptimizer: parameter '{name}' (sizes {tuple(p.shape)}, strides "
@@ -346,6 +349,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ShardedOptimizerError(f"ShardedOptimizer: norm_type must be positive (a p-norm, "
                                         f"or inf), got {norm_type}")
+        tensor_parallel = self.model._attachment.tensor_parallel_norm(
+            [(f.index, f.opt.grad) for f in self._fragments
+             if f.opt.grad is not None and f.index in self._group_of], norm_type)
+        if tensor_parallel is not None:  # shards summed over their TP groups too
+            return grads, tensor_parallel.to(self._norm_result_dtype())
         device = self.model._attachment.control_device
         # Every rank sends float64 (its shards' dtypes can differ from another rank's, and a rank
         # may hold none); the norm comes back in the parameters' widest real dtype, as torch's.
