@@ -233,9 +233,8 @@ MUTATIONS = [
     dict(
         id="step-ends-with-the-nested-backward",
         file=REDUCER_PY,
-        edits=[("        if self.find_unused_parameters and self._require_forward_param_sync:\n"
-                "            self._hook_outputs(output)",
-                "        if False:\n            self._hook_outputs(output)")],
+        edits=[("        find_unused = self.find_unused_parameters and synced",
+                "        find_unused = False")],
         why="find_unused_parameters decides unused parameters when the first backward with a "
             "hook ends: with reentrant checkpointing of the last layer that is the nested "
             "backward, and every rank gets the same wrong gradients (issue 19: 79 % off)",

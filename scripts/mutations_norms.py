@@ -35,8 +35,8 @@ MUTATIONS = [
     dict(
         id="norm-dtype-of-the-first-grad",
         file=REDUCER_PY,
-        edits=[("        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))",
-                "        dtype = grads[0].dtype.to_real()")],
+        edits=[("    return functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))",
+                "    return grads[0].dtype.to_real()")],
         why="the norm from the copy is returned in the first gradient's dtype: a model whose "
             "first layer is bfloat16 and the rest float32 gets a bfloat16 norm (torch: float32), "
             "rounded to 8 bits",

@@ -74,6 +74,11 @@ class _ReleasedGradient(torch.Tensor):
             "next backward; accumulate micro-batches under model.no_sync().")
 
 
+def _norm_dtype(grads):
+    """torch's norm has the gradients' widest real dtype (a complex gradient's norm is real)."""
+    return functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
+
+
 class FusedReducer(nn.Module, Joinable):
     """Data-parallel wrapper: after ``loss.backward()`` every ``param.grad`` holds the average over
     the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
@@ -918,9 +923,7 @@ class FusedReducer(nn.Module, Joinable):
         self._norm_source = "copy" if total is not None else "torch"
         if total is None:
             return torch.nn.utils.get_total_norm(grads, norm_type)
-        # torch's norm has the gradients' widest real dtype (a complex gradient's norm is real).
-        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
-        return total.to(device=grads[0].device, dtype=dtype)
+        return total.to(device=grads[0].device, dtype=_norm_dtype(grads))
 
     def _tensor_parallel_norm(self, grads, norm_type, copy_usable):
         """grad_norm() with DTensor parameters: torch's norm over DTensor gradients (shards
@@ -939,8 +942,7 @@ class FusedReducer(nn.Module, Joinable):
             others = [local_of(p.grad) for p in self.module.parameters()
                       if p.grad is not None and id(p) not in mine]
         total = self._tp.global_norm(reduced, norm_type, self._control_device, copied, others)
-        dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))
-        return total.to(device=local_of(grads[0]).device, dtype=dtype)
+        return total.to(device=local_of(grads[0]).device, dtype=_norm_dtype(grads))
 
     def _reduced_grads(self):
         return sum(p.grad is not None for p in self._params)
