@@ -1,5 +1,6 @@
 """FusedReducer end to end on 2 CPU ranks (gloo): per-step all-reduce counts and the bucket layout
-before and after a runtime first-bucket change, next to DDP on the same model.
+before and after a runtime first-bucket change, next to DDP on the same model, and the median
+step time of each.
 
     torchrun --nproc-per-node 2 examples/train_demo.py      # or: python examples/train_demo.py
     torchrun --nproc-per-node 2 examples/train_demo.py --backend process_group   # gloo transport
@@ -8,9 +9,11 @@ import argparse
 import os
 import sys
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -63,6 +66,20 @@ def train(model, steps, on_step=None, count=count_allreduces):
     return rows
 
 
+def median_step_ms(model, steps=30):
+    """The median wall time of `steps` training steps (after 3 warm-up steps), in ms."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
+    times = []
+    for step in range(steps + 3):
+        start = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[3:])
+
+
 def describe_stats(stats):
     """stats() read as a user should: the gradients' all-reduces (one per bucket) apart from the
     training-health exchange (a small all-reduce every straggler_interval steps)."""
@@ -81,6 +98,9 @@ def main(backend="auto"):
     ddp = DDP(make_model())
     counts = train(ddp, 4)
     say(f"DDP (default buckets):                all-reduces per step {counts}")
+    say("  (DDP's layout before its first rebuild is one bucket of every gradient: 1 all-reduce at "
+        "step 0; the rebuild after it puts a 1 MiB first bucket in front: 2 from then on, and "
+        "nothing DDP offers changes that while training)")
 
     model = fused_reducer.FusedReducer(make_model(), backend=backend)
     say(f"FusedReducer transport: {model.backend} (backend={backend!r})")
@@ -100,12 +120,17 @@ def main(backend="auto"):
     counts = train(model, 2)
     say(f"  after a forced rebuild the first bucket still holds: {model.bucket_sizes()} "
         f"(all-reduces per step {counts})")
+    ddp_ms, ours_ms = median_step_ms(ddp), median_step_ms(model)
+    say(f"median step time over 30 steps: DDP {ddp_ms:.1f} ms, FusedReducer {ours_ms:.1f} ms "
+        f"({ours_ms / ddp_ms:.2f} of DDP's; a demo on a shared machine, not a benchmark: "
+        "python bench/step_bench.py measures it)")
+    model.close()
 
 
-def _spawned(rank, world, port, backend):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    dist.init_process_group("gloo")
+def _spawned(rank, world, store_port, backend):
+    from fused_reducer.testing.launch import connect_store
+    dist.init_process_group("gloo", store=connect_store(store_port, 60), rank=rank,
+                            world_size=world)
     main(backend)
     dist.destroy_process_group()
 
@@ -120,10 +145,8 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
         main(backend)
         dist.destroy_process_group()
-    else:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, port, backend), nprocs=2)
-        sys.exit(0)
+    else:  # two ranks of this process, meeting on a store it holds (no port to pick)
+        from fused_reducer.testing.launch import (rendezvous_store, start_ranks,
+                                                  wait_for_exit_codes)
+        store = rendezvous_store()
+        sys.exit(wait_for_exit_codes(start_ranks(_spawned, 2, store, (backend,))))
