@@ -123,11 +123,20 @@ def check_resume(rank, world):
         opt.load_state_dict(plain["optim"])
     elif config.get("via") == "load_checkpoint":
         sharded_checkpoint.load_checkpoint(_path(config["from"]), model.module, opt)
-    else:  # the documented pattern
-        sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
-        dcp.load(sd, checkpoint_id=_path(config["from"]))
-        model.module.load_state_dict(sd["model"])
-        opt.load_sharded_state_dict(sd["optim"])
+    else:
+        _load_the_documented_way(model, opt, _path(config["from"]))
+    return _train_the_rest(model, opt, rank, world)
+
+
+def _load_the_documented_way(model, opt, path):
+    sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    model.module.load_state_dict(sd["model"])
+    opt.load_sharded_state_dict(sd["optim"])
+
+
+def _train_the_rest(model, opt, rank, world):
+    """The steps after the checkpoint; the parameters they end with."""
     _train(model, opt, range(SAVED_AT, STEPS), rank, world)
     out = _params(model)
     model.close()
@@ -150,10 +159,7 @@ def check_save_before_any_step(rank, world):
         else:
             model = FusedReducer(_net(seed=7), bucket_cap_mb=5 * KB / 2**20)
             opt = ShardedOptimizer(model, cls, **kwargs)
-            sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
-            dcp.load(sd, checkpoint_id=path)
-            model.module.load_state_dict(sd["model"])
-            opt.load_sharded_state_dict(sd["optim"])
+            _load_the_documented_way(model, opt, path)
             _train(model, opt, range(SAVED_AT), rank, world)
             out.append(_params(model))
         model.close()
@@ -166,14 +172,8 @@ def check_rollback(rank, world):
     from there: a roll-back after a loss spike."""
     model, opt = _sharded(dict(optimizer="AdamW", cap_kb=3))
     _train(model, opt, range(STEPS - 1), rank, world)
-    sd = {"model": model.module.state_dict(), "optim": opt.sharded_state_dict()}
-    dcp.load(sd, checkpoint_id=_path(_config()["from"]))
-    model.module.load_state_dict(sd["model"])
-    opt.load_sharded_state_dict(sd["optim"])
-    _train(model, opt, range(SAVED_AT, STEPS), rank, world)
-    out = _params(model)
-    model.close()
-    return out
+    _load_the_documented_way(model, opt, _path(_config()["from"]))
+    return _train_the_rest(model, opt, rank, world)
 
 
 STATELESS = {"Rprop": (torch.optim.Rprop, dict(lr=1e-3)),
