@@ -705,6 +705,10 @@ class FusedReducer(nn.Module, Joinable):
         ``reducer.prepare_for_backward``): manual optimization with several backward passes per
         training step, e.g. Lightning's ``manual_backward``. Collective like forward."""
         if torch.is_grad_enabled() and self._syncing:
+            if self._tuner is not None and not self._require_forward_param_sync:
+                # Pipeline schedules run every forward inside no_sync(): the step's reduction is
+                # decided here, so the tuner's step starts here (issue 40, 3-D).
+                self._tuner.on_forward()
             self._reducer.prepare_forward(will_sync=True)
             self._note_arm(True)
 

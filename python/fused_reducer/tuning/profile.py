@@ -91,7 +91,7 @@ def export_profile(model, path):
         "version": VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world,
-        "ranks_per_node": _ranks_per_node(),
+        "ranks_per_node": _ranks_per_node(group),
         "device": model.device.type,
         "transport": reducer.stats()["transport"],
         "machine": _machine(model.device),
@@ -215,9 +215,15 @@ def _median_ready_times(last_ready, history, stretch):
     return [float(v) for v in np.interp(times, xs, ys)]  # NaN (never ready) stays NaN
 
 
-def _ranks_per_node():
+def _ranks_per_node(group):
+    """The ranks of `group` on this node. LOCAL_WORLD_SIZE counts every rank of the node; with
+    tensor or pipeline parallelism the data-parallel group holds only some of them: torchrun
+    numbers the ranks node by node, so this node's are those r with r // LOCAL_WORLD_SIZE equal."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local and local.isdigit() else None
+    if not (local and local.isdigit() and int(local) > 0):
+        return None
+    node = dist.get_rank() // int(local)
+    return sum(1 for r in dist.get_process_group_ranks(group) if r // int(local) == node)
 
 
 def _machine(device):

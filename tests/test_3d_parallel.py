@@ -1,0 +1,225 @@
+"""3-D parallel training (issue 40, point 4): tensor x pipeline x data parallel on a 2 x 2 x 2
+DeviceMesh ("pp", "dp", "tp") of 8 gloo ranks. Each pipeline stage is a small transformer block
+(LayerNorm, causal self-attention with q/k/v ColwiseParallel and the output projection
+RowwiseParallel, LayerNorm, MLP ColwiseParallel + RowwiseParallel), wrapped with
+FusedReducer(block, device_mesh=mesh["dp"]) and driven by fused_reducer.pipelining.PipelineStage
+under Schedule1F1B (4 microbatches). The parameters after each step match a float64
+single-process model (the two blocks in sequence) trained on the global batch, with one reduction
+of each bucket per step; the profile a stage exports records its local (TP) shard sizes and the
+DP group's size, which the planner then plans for; autotune runs on such a stage.
+"""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from fused_reducer import FusedReducer
+from dist_utils import SelectedChecks, per_rank
+
+WORLD = 8
+DIM = 8
+HEADS = 2          # one per TP rank
+TOKENS = 3
+ROWS = 4           # sequences per DP rank and step
+MICRO = 4
+STEPS = 2
+LR = 0.1
+TOL = 2e-6
+
+checks = SelectedChecks()
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.o = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # Under TP q/k/v hold this rank's heads: the head count follows from the local width.
+        q, k, v = (f(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attn = Attention()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(torch.relu(self.up(self.norm2(x))))
+
+
+def _blocks(dtype=torch.float32):
+    torch.manual_seed(0)
+    return [Block().to(dtype) for _ in range(2)]
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _data(dp, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + dp)
+    return (torch.randn(ROWS, TOKENS, DIM, generator=g).to(dtype),
+            torch.randn(ROWS, TOKENS, DIM, generator=g).to(dtype))
+
+
+def _loss(out, target):
+    return (out - target).pow(2).mean()
+
+
+def _reference(steps):
+    """float64, one process, the global batch (both DP ranks' rows): parameters after each step."""
+    blocks = _blocks(torch.float64)
+    model = nn.Sequential(*blocks)
+    after = []
+    for step in range(steps):
+        xs, ys = zip(*(_data(d, step, torch.float64) for d in range(2)))
+        model.zero_grad()
+        _loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        after.append([{n: p.detach().clone() for n, p in b.named_parameters()} for b in blocks])
+    return after
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _stage(mesh, **fr_kwargs):
+    """This rank's stage: block `pp`, its attention and MLP split over mesh['tp'], in a
+    FusedReducer over mesh['dp'], driven by fused_reducer.pipelining.PipelineStage."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from fused_reducer.pipelining import PipelineStage
+    pp = mesh["pp"].get_local_rank()
+    block = _blocks()[pp]
+    parallelize_module(block, mesh["tp"], _tp_plan())
+    model = FusedReducer(block, device_mesh=mesh["dp"], **fr_kwargs)
+    # A microbatch's shape, given: torch's shape inference would run the TP forward on meta
+    # tensors. requires_grad says which gradients cross the stages: the first stage's output's,
+    # which the second stage sends back as the gradient of its input.
+    example = torch.zeros(ROWS // MICRO, TOKENS, DIM)
+    stage = PipelineStage(model, pp, 2, torch.device("cpu"),
+                          input_args=(example.clone().requires_grad_(pp > 0),),
+                          output_args=(example.clone().requires_grad_(),), group=mesh["pp"].get_group())
+    return model, stage
+
+
+def _train(mesh, model, stage, steps, on_step=None):
+    from torch.distributed.pipelining import Schedule1F1B
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=_loss)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _reference(steps)
+    out = {"params": [], "reductions": [], "allreduces": []}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        before = model.stats()
+        x, y = _data(dp, step)
+        schedule.step(x) if pp == 0 else schedule.step(target=y)
+        after = model.stats()
+        out["reductions"].append(after["step"] - before["step"])
+        out["allreduces"].append(after["allreduces"])  # the last step's collectives
+        opt.step()
+        out["params"].append(max(
+            float((_full(p).detach().double() - reference[step][pp][n]).abs().max())
+            for n, p in model.module.named_parameters()))
+        if on_step is not None:
+            on_step(step)
+    out["buckets"] = len(model.bucket_sizes())
+    return out
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def check_1f1b_exact_and_profile(rank, world):
+    import tempfile
+    mesh = _mesh()
+    model, stage = _stage(mesh, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    out = _train(mesh, model, stage, STEPS + 1)
+    # The profile of this stage (collective over its DP group): rank 0 of each DP group writes.
+    os.environ["LOCAL_WORLD_SIZE"] = "8"  # as torchrun on one node: the DP group holds 2 of them
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model.export_profile(os.path.join(tmp, "profile_{rank}.json"))  # every rank
+        out["profile"] = json.load(open(path))
+    out["local_bytes"] = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() * 4
+                          for n, p in model.module.named_parameters()}
+    out["dp_size"] = mesh["dp"].size()
+    return out
+
+
+def check_autotune_on_a_stage(rank, world):
+    """autotune() on a pipeline stage of the 3-D job: trials are measured per schedule step (the
+    stage's forwards all run inside no_sync) and training stays exact."""
+    mesh = _mesh()
+    model, stage = _stage(mesh)
+    model.autotune(candidates=[(256, 256, 0), (1 << 20, 1 << 20, 0)], round_steps=(1,),
+                   min_steps=1)
+    out = _train(mesh, model, stage, 6)
+    out["report"] = model.autotune_report()
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(request):
+    return checks.run(request, world_size=WORLD, timeout=240)
+
+
+@checks.uses(check_1f1b_exact_and_profile)
+def test_tp_pp_dp_1f1b_matches_float64_global_batch_with_one_reduction_per_bucket(outcomes):
+    for r in per_rank(outcomes, "check_1f1b_exact_and_profile"):
+        assert max(r["params"]) < TOL, r["params"]
+        assert r["buckets"] > 1, r
+        assert r["reductions"] == [1] * (STEPS + 1), r
+        assert r["allreduces"] == [r["buckets"]] * (STEPS + 1), r
+
+
+@checks.uses(check_1f1b_exact_and_profile)
+def test_profile_of_a_stage_records_local_shards_and_the_dp_group_size(outcomes):
+    from fused_reducer.tuning.plan import main as plan_main
+    for r in per_rank(outcomes, "check_1f1b_exact_and_profile"):
+        profile = r["profile"]
+        assert profile["world_size"] == r["dp_size"] == 2, profile["world_size"]
+        recorded = {p["name"]: p["bytes"] for p in profile["params"]}
+        assert recorded == r["local_bytes"], (recorded, r["local_bytes"])
+        # ColwiseParallel halves q's rows on each TP rank: 4 x 8 floats, not 8 x 8.
+        assert recorded["attn.q.weight"] == DIM * DIM // 2 * 4
+        assert profile["ranks_per_node"] == 2, profile["ranks_per_node"]
+    import io
+    import contextlib
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.json")
+        json.dump(per_rank(outcomes, "check_1f1b_exact_and_profile")[0]["profile"], open(path, "w"))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert plan_main([path, "--json", os.path.join(tmp, "plan.json")]) == 0
+        plan = json.load(open(os.path.join(tmp, "plan.json")))
+    assert [w["world_size"] for w in plan["worlds"]] == [2], printed.getvalue()
+
+
+@checks.uses(check_autotune_on_a_stage)
+def test_autotune_on_a_pipeline_stage_measures_and_stays_exact(outcomes):
+    for r in per_rank(outcomes, "check_autotune_on_a_stage"):
+        assert max(r["params"]) < TOL, r["params"]
+        assert r["reductions"] == [1] * 6, r
+        assert r["report"]["done"], r["report"]
+        assert len(r["report"]["trials"]) == 2, r["report"]
