@@ -106,6 +106,46 @@ def check_interleaved_1f1b(rank, world):
     return _run("ScheduleInterleaved1F1B", stages_per_rank=2)
 
 
+def check_reduction_overlaps_the_last_backward(rank, world):
+    """One 1F1B step under torch.profiler, 2 buckets per stage: where the all-reduces start
+    (ALLREDUCE_EVENTS, not FusedReducer's stats) against the moments each microbatch's backward
+    accumulates the stage's first layer's weight gradient (its last gradient, a marker recorded
+    by a plain post-accumulate-grad hook)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+    from fused_reducer.pipelining import PipelineStage
+    from dist_utils import ALLREDUCE_EVENTS
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    module = nn.Sequential(*_layers()[2 * pp:2 * pp + 2])
+    model = FusedReducer(module, device_mesh=mesh["dp"], bucket_cap_mb=0.0002,
+                         first_bucket_mb=0.0002)
+    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=_loss)
+
+    def marker(_):
+        with torch.profiler.record_function("first_layer_weight_grad"):
+            pass
+    module[0][0].weight.register_post_accumulate_grad_hook(marker)
+
+    def step(k):
+        x, y = _data(dp, k)
+        model.zero_grad(set_to_none=True)
+        schedule.step(x) if pp == 0 else schedule.step(target=y)
+    step(0)  # shape inference and the first layout
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(1)
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.name in ALLREDUCE_EVENTS)
+    marks = sorted(e.time_range.start for e in events if e.name == "first_layer_weight_grad")
+    last = model.step_history()[-1]
+    return {"allreduces": len(starts), "buckets": len(model.bucket_sizes()), "marks": len(marks),
+            "after_the_previous_backward": bool(starts) and starts[0] > marks[-2],
+            "before_the_last_gradient": bool(starts) and starts[0] < marks[-1],
+            # the reducer's own telemetry says the same: the first bucket launched in backward
+            "telemetry": last["buckets"][0]["launch_us"] < last["backward_end_us"]}
+
+
 def check_zero_bubble_is_refused(rank, world):
     """What a zero-bubble schedule asks of a stage first: the input half of a split backward."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,6 +188,14 @@ def test_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
 @checks.uses(check_interleaved_1f1b)
 def test_interleaved_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_interleaved_1f1b"))
+
+
+@checks.uses(check_reduction_overlaps_the_last_backward)
+def test_1f1b_reduction_starts_while_the_last_microbatchs_backward_runs(outcomes):
+    for r in per_rank(outcomes, "check_reduction_overlaps_the_last_backward"):
+        assert r["buckets"] > 1 and r["allreduces"] == r["buckets"] and r["marks"] == MICRO, r
+        assert r["after_the_previous_backward"] and r["before_the_last_gradient"], r
+        assert r["telemetry"], r
 
 
 @checks.uses(check_zero_bubble_is_refused)
