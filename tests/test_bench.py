@@ -565,3 +565,23 @@ def test_sharded_bench_smoke_float64_reference_and_plot(tmp_path):
     assert "process_group transport" in result.stdout, result.stdout
     assert "max |ddp - sharded| parameter 0.00e+00" in result.stdout, result.stdout
     assert "zero" not in result.stdout.split("parameter 0.00e+00")[1], result.stdout
+
+
+def test_large_models_bench_smoke_counts_and_matches_ddp(tmp_path):
+    """bench/large_models_bench.py at tiny sizes on 4 gloo ranks: TP=2 x DP=2 and PP=2 x DP=2,
+    FusedReducer and DDP in the same set-up end with the same parameters; the profiler counts
+    the DP all-reduces per step (one bucket here: 1 per step and rank, as DDP's; TP's own
+    all-reduces counted apart); the JSON has both ways of both layouts."""
+    out_json = tmp_path / "large.json"
+    result = run_bench("large_models_bench.py", "--nranks", "4", "--dim", "16", "--layers", "2",
+                       "--batch", "8", "--steps", "1", "--warmup", "1", "--json", str(out_json),
+                       timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("max |ours - ddp| parameter 0.00e+00") == 2, out
+    assert "(DP: [1, 1, 1, 1], TP's own: 4)" in out, out
+    assert "pp ours  step" in out and "all-reduces per step and rank [1, 1, 1, 1]" in out, out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["layout"], r["way"]) for r in rows} == {(l, w) for l in ("tp", "pp")
+                                                       for w in ("ours", "ddp")}
+    assert all(r["dp_allreduces_per_step"] == [1] * 4 and r["step_ms"] > 0 for r in rows), rows
