@@ -287,6 +287,16 @@ class SelectedChecks:
                 checks.append(check)
         return run_checks(checks, world_size, timeout=timeout)
 
+    def fixture(self, world_size=2, timeout=180):
+        """The module fixture `outcomes` (assign it to that name): run(request, ...) once per
+        module."""
+        import pytest
+
+        @pytest.fixture(scope="module", name="outcomes")
+        def outcomes(request):
+            return self.run(request, world_size, timeout)
+        return outcomes
+
 
 def train_squares(model, steps, rank, width):
     """`steps` backward passes of mean(model(x)^2) on a 4 x `width` batch seeded by step and rank

@@ -6,7 +6,6 @@ a float64 average of locally computed gradients, the profiler's record of the co
 test's own count). The checks of the selected tests run in ONE spawn of 2 gloo ranks
 (SelectedChecks, the module fixture).
 """
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -333,11 +332,7 @@ def check_slot_strides(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_first_bucket_persists)

@@ -11,8 +11,6 @@ import subprocess
 import sys
 import weakref
 
-import pytest
-
 from behaviour_common import ENV, collectives, fused, fused_with_its_defaults
 from dist_utils import SelectedChecks, assert_small, results
 from test_dropin_common import (Net, build, data, grads, loss_of, max_diff, outcome,
@@ -85,11 +83,7 @@ def check_close_and_gc_remove_hooks(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_close)

@@ -6,7 +6,6 @@ a float64 average of locally computed gradients, the profiler's record of the co
 test's own count). The checks of the selected tests run in ONE spawn of 2 gloo ranks
 (SelectedChecks, the module fixture).
 """
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,11 +51,7 @@ def check_join_no_sync_batchnorm(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():

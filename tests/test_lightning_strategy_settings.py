@@ -48,11 +48,7 @@ def check_lightning_timeout_reaches_the_reducer(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_lightning_timeout_reaches_the_reducer)

@@ -7,7 +7,6 @@ test's own count). The checks of the selected tests run in ONE spawn of 2 gloo r
 """
 from datetime import timedelta
 
-import pytest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import fused, wrap
@@ -118,11 +117,7 @@ def check_autotune_between_no_sync_and_sync(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_no_sync_usage)

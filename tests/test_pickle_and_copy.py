@@ -8,7 +8,6 @@ test's own count). The checks of the selected tests run in ONE spawn of 2 gloo r
 import copy
 import pickle
 
-import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -104,11 +103,7 @@ def check_pickle_and_deepcopy_keep_limits(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_pickled_copies)

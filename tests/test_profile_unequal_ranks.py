@@ -62,11 +62,7 @@ def check_profile_of_unequal_ranks(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_profile_of_unequal_ranks)

@@ -8,7 +8,6 @@ test's own count). The checks of the selected tests run in ONE spawn of 2 gloo r
 """
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -120,11 +119,7 @@ def check_reduce_dtype_agreement(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_layout_agreement)

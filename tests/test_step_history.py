@@ -10,7 +10,6 @@ import os
 import tempfile
 import time
 
-import pytest
 import torch
 from torch import nn
 
@@ -107,11 +106,7 @@ def check_step_history_timing(rank, world):
 
 
 CHECKS = SelectedChecks()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return CHECKS.run(request, 2, timeout=240)
+outcomes = CHECKS.fixture(timeout=240)  # the selected tests' checks, in one spawn
 
 
 @CHECKS.uses(check_trace_steps)
