@@ -11,7 +11,6 @@ DP group's size, which the planner then plans for; autotune runs on such a stage
 import json
 import os
 
-import pytest
 import torch
 from torch import nn
 
@@ -178,9 +177,7 @@ def check_autotune_on_a_stage(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def outcomes(request):
-    return checks.run(request, world_size=WORLD, timeout=240)
+outcomes = checks.fixture(world_size=WORLD, timeout=240)
 
 
 @checks.uses(check_1f1b_exact_and_profile)
