@@ -31,36 +31,38 @@ checks = SelectedChecks()
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, dim):
         super().__init__()
-        self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
-        self.o = nn.Linear(DIM, DIM)
+        self.head_dim = dim // HEADS
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.o = nn.Linear(dim, dim)
 
     def forward(self, x):
         b, t, _ = x.shape
         # Under TP q/k/v hold this rank's heads: the head count follows from the local width.
-        q, k, v = (f(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM):
         super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.attn = Attention()
-        self.norm2 = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
         return x + self.down(torch.relu(self.up(self.norm2(x))))
 
 
-def _blocks(dtype=torch.float32):
+def _blocks(dtype=torch.float32, dim=DIM):
     torch.manual_seed(0)
-    return [Block().to(dtype) for _ in range(2)]
+    return [Block(dim).to(dtype) for _ in range(2)]
 
 
 def _tp_plan():
@@ -69,23 +71,24 @@ def _tp_plan():
             "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
-def _data(dp, step, dtype=torch.float32):
+def _data(dp, step, dtype=torch.float32, dim=DIM):
     g = torch.Generator().manual_seed(100 * step + dp)
-    return (torch.randn(ROWS, TOKENS, DIM, generator=g).to(dtype),
-            torch.randn(ROWS, TOKENS, DIM, generator=g).to(dtype))
+    return (torch.randn(ROWS, TOKENS, dim, generator=g).to(dtype),
+            torch.randn(ROWS, TOKENS, dim, generator=g).to(dtype))
 
 
 def _loss(out, target):
     return (out - target).pow(2).mean()
 
 
-def _reference(steps):
-    """float64, one process, the global batch (both DP ranks' rows): parameters after each step."""
-    blocks = _blocks(torch.float64)
+def _reference(steps, blocks=2, dp_size=2, dim=DIM):
+    """float64, one process, the global batch (every DP rank's rows): parameters after each
+    step, per block."""
+    blocks = _blocks(torch.float64, dim)[:blocks]
     model = nn.Sequential(*blocks)
     after = []
     for step in range(steps):
-        xs, ys = zip(*(_data(d, step, torch.float64) for d in range(2)))
+        xs, ys = zip(*(_data(d, step, torch.float64, dim) for d in range(dp_size)))
         model.zero_grad()
         _loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         with torch.no_grad():
@@ -177,6 +180,40 @@ def check_autotune_on_a_stage(rank, world):
     return out
 
 
+def check_tp_dp_autotune_true(rank, world):
+    """TP=2 x DP=4 (no pipeline), blocks of width 128 (0.38 MB of local gradients per rank, so
+    that the tuner's grid has several layouts): FusedReducer(..., autotune=True) tunes on the DP
+    group (its probe and trials over 4 ranks, the layouts of the local shards) while training
+    stays exact; the profile then records the local shards and world size 4."""
+    import tempfile
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    dim = 128
+    block = _blocks(dim=dim)[0]
+    parallelize_module(block, mesh["tp"], _tp_plan())
+    model = FusedReducer(block, device_mesh=mesh["dp"], autotune=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    steps = 40
+    reference = _reference(steps, blocks=1, dp_size=4, dim=dim)
+    out = {"params": []}
+    for step in range(steps):
+        x, y = _data(dp, step, dim=dim)
+        opt.zero_grad(set_to_none=True)
+        _loss(model(x), y).backward()
+        opt.step()
+        out["params"].append(max(
+            float((_full(p).detach().double() - reference[step][0][n]).abs().max())
+            for n, p in block.named_parameters()))
+    out["report"] = model.autotune_report()
+    with tempfile.TemporaryDirectory() as tmp:
+        out["profile"] = json.load(open(model.export_profile(os.path.join(tmp, "p{rank}.json"))))
+    out["local_bytes"] = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() * 4
+                          for n, p in block.named_parameters()}
+    return out
+
+
 outcomes = checks.fixture(world_size=WORLD, timeout=240)
 
 
@@ -220,3 +257,13 @@ def test_autotune_on_a_pipeline_stage_measures_and_stays_exact(outcomes):
         assert r["reductions"] == [1] * 6, r
         assert r["report"]["done"], r["report"]
         assert len(r["report"]["trials"]) == 2, r["report"]
+
+
+@checks.uses(check_tp_dp_autotune_true)
+def test_tp_dp_autotune_true_tunes_on_the_dp_group_and_stays_exact(outcomes):
+    for r in per_rank(outcomes, "check_tp_dp_autotune_true"):
+        assert max(r["params"]) < TOL, r["params"]
+        assert r["report"]["done"] and r["report"]["choice"] is not None, r["report"]
+        assert len(r["report"]["trials"]) > 1, r["report"]  # several layouts measured
+        assert r["profile"]["world_size"] == 4, r["profile"]["world_size"]
+        assert {p["name"]: p["bytes"] for p in r["profile"]["params"]} == r["local_bytes"]
