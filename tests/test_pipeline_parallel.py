@@ -3,8 +3,9 @@ driving stages whose modules are FusedReducers over the DP group, through
 fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x 2 DeviceMesh
 ("pp", "dp") of 4 gloo ranks. GPipe, 1F1B and Interleaved1F1B (two stages per rank) train exactly as
 a float64 single-process model on the global batch, with one reduction of each bucket per
-schedule step; the split backward of zero-bubble schedules is refused (their weight gradients
-bypass the gradient hooks).
+schedule step; so do the zero-bubble schedules (split backward: ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble; Note [Split backward]), whose split backward is refused for DTensor
+parameters.
 """
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _reference(steps):
     return [[p.detach().clone() for p in layer.parameters()] for layer in layers]
 
 
-def _run(schedule_name, stages_per_rank=1, **fr_kwargs):
+def _run(schedule_name, stages_per_rank=1, v_shape=False, **fr_kwargs):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from fused_reducer.pipelining import PipelineStage
@@ -60,7 +61,8 @@ def _run(schedule_name, stages_per_rank=1, **fr_kwargs):
     n_stages = 2 * stages_per_rank
     layers = _layers()
     per_stage = 4 // n_stages
-    indices = [pp + 2 * i for i in range(stages_per_rank)]  # stage s on pp rank s % 2
+    # stage s on pp rank s % 2; V-shaped (ZBV): rank 0 holds stages 0 and 3, rank 1 1 and 2
+    indices = ([pp, 3 - pp] if v_shape else [pp + 2 * i for i in range(stages_per_rank)])
     models, stages = [], []
     for s in indices:
         module = nn.Sequential(*layers[s * per_stage:(s + 1) * per_stage])
@@ -146,12 +148,27 @@ def check_reduction_overlaps_the_last_backward(rank, world):
             "telemetry": last["buckets"][0]["launch_us"] < last["backward_end_us"]}
 
 
-def check_zero_bubble_is_refused(rank, world):
-    """What a zero-bubble schedule asks of a stage first: the input half of a split backward."""
+def check_interleaved_zero_bubble(rank, world):
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, bucket_cap_mb=0.00002,
+                first_bucket_mb=0.00002)  # 2 buckets per one-layer stage
+
+
+def check_zbv_zero_bubble(rank, world):
+    return _run("ScheduleZBVZeroBubble", stages_per_rank=2, v_shape=True, bucket_cap_mb=0.00002,
+                first_bucket_mb=0.00002)
+
+
+def check_split_backward_with_dtensors_is_refused(rank, world):
+    """What a zero-bubble schedule asks of a stage: the input half of a split backward, here of
+    a stage whose Linear is tensor-parallel (ColwiseParallel over the 'pp' dimension, as a
+    stand-in for a TP one)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from fused_reducer.pipelining import PipelineStage
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    model = FusedReducer(nn.Sequential(*_layers()[:2]), device_mesh=mesh["dp"])
+    module = nn.Sequential(*_layers()[:2])
+    parallelize_module(module[0][0], mesh["pp"], ColwiseParallel())
+    model = FusedReducer(module, device_mesh=mesh["dp"])
     stage = PipelineStage(model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"),
                           group=mesh["pp"].get_group())
     try:
@@ -198,7 +215,17 @@ def test_1f1b_reduction_starts_while_the_last_microbatchs_backward_runs(outcomes
         assert r["telemetry"], r
 
 
-@checks.uses(check_zero_bubble_is_refused)
-def test_zero_bubble_split_backward_is_refused(outcomes):
-    for r in per_rank(outcomes, "check_zero_bubble_is_refused"):
-        assert "split backward" in r and "Schedule1F1B" in r, r
+@checks.uses(check_interleaved_zero_bubble)
+def test_interleaved_zero_bubble_split_backward_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_interleaved_zero_bubble"))
+
+
+@checks.uses(check_zbv_zero_bubble)
+def test_zbv_zero_bubble_split_backward_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_zbv_zero_bubble"))
+
+
+@checks.uses(check_split_backward_with_dtensors_is_refused)
+def test_split_backward_of_dtensor_parameters_is_refused(outcomes):
+    for r in per_rank(outcomes, "check_split_backward_with_dtensors_is_refused"):
+        assert "split backward" in r and "DTensor" in r and "Schedule1F1B" in r, r
