@@ -59,7 +59,7 @@ TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": C
            "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
@@ -70,9 +70,14 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank and step")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    world = int(os.environ["WORLD_SIZE"])
+
+def train(args):
+    """The job, on every rank (the default process group, if not yet there, from torchrun's
+    environment). Returns this rank's all-reduces per step, its stage's bucket count and, on the
+    last stage, the mean loss of each step."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     if world % (args.tp * args.pp):
         raise SystemExit(f"train_3d: world size {world} is not a multiple of tp x pp = "
                          f"{args.tp * args.pp}")
@@ -98,6 +103,7 @@ def main():
                             loss_fn=lambda out, y: (out - y).pow(2).mean())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # DTensor parameters
 
+    out = {"allreduces": [], "losses": []}
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * step + dp_rank)  # this DP rank's rows
         x = torch.randn(args.batch, args.tokens, args.dim, generator=g).to(device)
@@ -112,15 +118,24 @@ def main():
             schedule.step()
         opt.step()
         ms = 1e3 * (time.perf_counter() - start)
-        if pp_rank == args.pp - 1 and dp_rank == 0 and mesh["tp"].get_local_rank() == 0:
-            loss = sum(l.item() for l in losses[-args.microbatches:]) / args.microbatches
-            print(f"step {step}: loss {loss:.4f} (DP rank 0's rows), {ms:.1f} ms; stage "
-                  f"{pp_rank}: {model.stats()['allreduces']} all-reduces for "
-                  f"{len(model.bucket_sizes())} buckets", flush=True)
+        out["allreduces"].append(model.stats()["allreduces"])
+        if pp_rank == args.pp - 1:
+            out["losses"].append(sum(l.item() for l in losses[-args.microbatches:])
+                                 / args.microbatches)
+            if dp_rank == 0 and mesh["tp"].get_local_rank() == 0:
+                print(f"step {step}: loss {out['losses'][-1]:.4f} (DP rank 0's rows), {ms:.1f} "
+                      f"ms; stage {pp_rank}: {out['allreduces'][-1]} all-reduces for "
+                      f"{len(model.bucket_sizes())} buckets", flush=True)
     if dist.get_rank() == 0:
         print(f"mesh pp={args.pp} x dp={dp} x tp={args.tp}; stage 0 buckets (bytes, local "
               f"shards): {model.bucket_sizes()}", flush=True)
+    out["buckets"] = len(model.bucket_sizes())
     model.close()
+    return out
+
+
+def main():
+    train(parse_args())
     dist.destroy_process_group()
 
 
