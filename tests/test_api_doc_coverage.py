@@ -62,6 +62,8 @@ COVERAGE = {
         "test_autotune.py::test_report_format",
         "test_autotune.py::test_tuner_leaves_a_clearly_slow_configuration",
         "test_rank0_decides.py::test_autotune_plan_and_choice_are_rank0s",
+        "test_3d_parallel.py::test_tp_dp_autotune_true_tunes_on_the_dp_group_and_stays_exact",
+        "test_3d_parallel.py::test_autotune_on_a_pipeline_stage_measures_and_stays_exact",
     ],
     "`step_history()`, `export_trace(path)`": [
         "test_autotune.py::test_trace_is_chrome_json_with_a_row_per_bucket_and_the_backward_span",
