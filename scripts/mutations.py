@@ -811,7 +811,8 @@ MUTATIONS = [
         edits=[("  if (!options.device().is_cpu()) {\n    return at::zeros({numel}, options);",
                 "  if (true) {\n    return at::zeros({numel}, options);")],
         why="CPU buckets taken from malloc: after limit changes the freed buckets stay resident in glibc's heap (tens of MiB more than DDP's)",
-        tests=["tests/test_memory.py::test_limit_changes_leave_nothing_resident_behind"],
+        tests=["tests/test_memory.py::test_cpu_buckets_are_mapped_pages_of_their_own",
+               "tests/test_memory.py::test_limit_changes_leave_nothing_resident_behind"],
     ),
     # -- issue 21: the CUDA path's second review ---------------------------------------------------
     dict(
