@@ -33,11 +33,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fused_reducer  # noqa: E402
+from fused_reducer.testing.collectives import count_allreduces  # noqa: E402
 from common import add_launch_args, collect_meta, ddp_best_kwargs, launch, print0, write_json  # noqa: E402
 
 LAYOUTS = ("tp", "pp")
 WAYS = ("ours", "ddp")
-ALLREDUCE_EVENTS = ("c10d::allreduce_", "shm:all_reduce")  # as tests/dist_utils.py
 LR = 1e-3
 
 
@@ -50,21 +50,6 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-def count_allreduces(step):
-    """All-reduces in one call of `step`, as torch.profiler sees them."""
-    saved = os.dup(2)  # the profiler prints a start/stop line per use on stderr: hide them
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-    return sum(1 for e in prof.events() if e.name in ALLREDUCE_EVENTS)
 
 
 # -- TP x DP ---------------------------------------------------------------------------------------

@@ -18,29 +18,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_reducer
+# All-reduces counted by the profiler, independently of FusedReducer.stats().
+from fused_reducer.testing.collectives import count_allreduces
 
 MiB = 1 << 20
-# Each all-reduce shows in torch.profiler as exactly one of these: a collective of a c10d process
-# group (DDP's, and FusedReducer's backend="process_group") passes through the dispatcher op
-# 'c10d::allreduce_' (gloo adds its own 'gloo:all_reduce' inside it: not counted, or it would
-# count twice); FusedReducer's shared-memory transport (the default for CPU ranks of one host)
-# bypasses c10d and records 'shm:all_reduce' (ext/shm_transport.cpp).
-ALLREDUCE_EVENTS = ("c10d::allreduce_", "shm:all_reduce")
-
-
-def count_allreduces(step_fn):
-    """All-reduces in one step, counted by the profiler (independently of FusedReducer.stats())."""
-    saved = os.dup(2)  # the profiler prints a start/stop line per use on stderr: hide them
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step_fn()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-    return sum(1 for e in prof.events() if e.name in ALLREDUCE_EVENTS)
 
 
 def make_model():

@@ -34,15 +34,14 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fused_reducer.testing.collectives import ALLREDUCE_EVENTS  # noqa: F401 - for the test files
 from fused_reducer.testing.launch import connect_store, rendezvous_store, start_ranks, stop_ranks
 
 PG_TIMEOUT = 60
 
-# All-reduces as torch.profiler sees them, independently of FusedReducer.stats(): every collective
-# of a c10d process group is a 'c10d::allreduce_' op (its gloo backend adds a 'gloo:all_reduce'
-# event with the input's shape and dtype); FusedReducer's shared-memory transport (the default for
-# CPU ranks of one host) bypasses c10d and records one 'shm:all_reduce', with shape and dtype.
-ALLREDUCE_EVENTS = ("c10d::allreduce_", "shm:all_reduce")
+# All-reduces as torch.profiler sees them: ALLREDUCE_EVENTS (fused_reducer/testing/collectives.py,
+# shared with the demo and the benchmarks); the same with the input's shape and dtype: gloo's own
+# 'gloo:all_reduce' inside c10d's op, and the shared-memory transport's one event.
 SHAPED_ALLREDUCE_EVENTS = ("gloo:all_reduce", "shm:all_reduce")
 HARNESS_MARGIN = 15
 _test_deadline = None  # time.monotonic() at which pytest-timeout fails the running test
