@@ -306,7 +306,7 @@ def load_checkpoint(checkpoint_id, model, optimizer, process_group=None):
 
     # Fresh tensors for the optimizer's part, which load_sharded_state_dict adopts only once
     # all is read; the model's are its parameters, written by dcp.load: so every check first.
-    sd = {"model": model.state_dict(), "optim": optimizer._sharded_state_dict(fresh=True)}
+    sd = {"model": model.state_dict(), "optim": optimizer.sharded_state_dict(fresh=True)}
     name_of = names_of(model)
     _drop_masters_not_saved(checkpoint_id, sd)
     # The optimizer's class and groups are Python values, not in the metadata: read them alone.

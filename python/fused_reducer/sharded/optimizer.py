@@ -640,15 +640,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return pieces
 
     # -- sharded checkpoints: torch.distributed.checkpoint ----------------------------------------
-    def sharded_state_dict(self):
+    def sharded_state_dict(self, fresh=False):
         """This rank's part of the optimizer state for torch.distributed.checkpoint: dcp.save
         writes each rank's fragments (views, nothing copied), dcp.load fills it in place for
-        load_sharded_state_dict, at any world size and bucket layout. Call it on every rank.
-        Note [Sharded checkpoint format] in sharded/checkpoint.py."""
-        return self._sharded_state_dict(fresh=False)
-
-    def _sharded_state_dict(self, fresh):
-        """fresh: zeros to be filled instead of views of the live state."""
+        load_sharded_state_dict, at any world size and bucket layout. fresh=True: zeros to be
+        filled instead of views of the live state (a load that fails then changes nothing). Call
+        it on every rank. Note [Sharded checkpoint format] in sharded/checkpoint.py."""
         self.finish_param_gather()
         self._ensure_fragments()
         params = self.model._attachment.params
