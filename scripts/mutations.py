@@ -967,5 +967,6 @@ from mutations_norms import MUTATIONS as _NORMS  # noqa: E402
 from mutations_checkpoints_profile_elastic import MUTATIONS as _CHECKPOINTS  # noqa: E402
 from mutations_health_reports import MUTATIONS as _HEALTH_REPORTS  # noqa: E402
 from mutations_sharded_checkpoints import MUTATIONS as _SHARDED_CHECKPOINTS  # noqa: E402
+from mutations_large_models import MUTATIONS as _LARGE_MODELS  # noqa: E402
 
-MUTATIONS += _NORMS + _CHECKPOINTS + _HEALTH_REPORTS + _SHARDED_CHECKPOINTS
+MUTATIONS += _NORMS + _CHECKPOINTS + _HEALTH_REPORTS + _SHARDED_CHECKPOINTS + _LARGE_MODELS

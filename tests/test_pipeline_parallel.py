@@ -3,9 +3,9 @@ driving stages whose modules are FusedReducers over the DP group, through
 fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x 2 DeviceMesh
 ("pp", "dp") of 4 gloo ranks. GPipe, 1F1B and Interleaved1F1B (two stages per rank) train exactly as
 a float64 single-process model on the global batch, with one reduction of each bucket per
-schedule step; so do the zero-bubble schedules (split backward: ScheduleInterleavedZeroBubble,
-ScheduleZBVZeroBubble; Note [Split backward]), whose split backward is refused for DTensor
-parameters.
+schedule step; so do the schedules that split the backward (ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV; Note [Split backward]), whose reduction overlaps the
+last weight half, and whose split backward is refused for DTensor parameters.
 """
 import pytest
 import torch
@@ -39,9 +39,21 @@ def _loss(out, target):
     return (out - target).pow(2).mean()
 
 
-def _reference(steps):
+class _Twice(nn.Module):
+    """Its layers applied twice (one weight used at two places of the graph: a split backward's
+    parameter group with two intermediates)."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(self.layers(x))
+
+
+def _reference(steps, twice=False):
     layers = _layers(torch.float64)
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*(_Twice(layer) if twice else layer for layer in layers))
     for step in range(steps):
         xs, ys = zip(*(_data(d, step, torch.float64) for d in range(2)))
         model.zero_grad()
@@ -52,7 +64,7 @@ def _reference(steps):
     return [[p.detach().clone() for p in layer.parameters()] for layer in layers]
 
 
-def _run(schedule_name, stages_per_rank=1, v_shape=False, **fr_kwargs):
+def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, **fr_kwargs):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from fused_reducer.pipelining import PipelineStage
@@ -65,7 +77,8 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, **fr_kwargs):
     indices = ([pp, 3 - pp] if v_shape else [pp + 2 * i for i in range(stages_per_rank)])
     models, stages = [], []
     for s in indices:
-        module = nn.Sequential(*layers[s * per_stage:(s + 1) * per_stage])
+        module = nn.Sequential(*((_Twice(layer) if twice else layer)
+                                 for layer in layers[s * per_stage:(s + 1) * per_stage]))
         model = FusedReducer(module, device_mesh=mesh["dp"], **fr_kwargs)
         models.append((s, model))
         stages.append(PipelineStage(model, s, n_stages, torch.device("cpu"),
@@ -87,7 +100,7 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, **fr_kwargs):
         out["reductions"].append([m.stats()["step"] - b for (_, m), b in zip(models, before)])
         out["allreduces"].append([m.stats()["allreduces"] for _, m in models])
         opt.step()
-    reference = _reference(STEPS)
+    reference = _reference(STEPS, twice)
     out["params"] = max(
         float((p.detach().double() - r).abs().max())
         for s, m in models
@@ -158,6 +171,77 @@ def check_zbv_zero_bubble(rank, world):
                 first_bucket_mb=0.00002)
 
 
+def check_zero_bubble_reduction_overlaps_the_last_weight_half(rank, world):
+    """One ScheduleInterleavedZeroBubble step under torch.profiler, two layers per stage (two
+    parameter groups in each weight half), 4 buckets per stage. Each stage marks when its layers' weight-gradient nodes run (a
+    node pre-hook on the Linear's backward, which runs in the input half and again in the weight
+    half); the step's last weight half of a stage is the window from the last run of its last
+    layer's node to the last run of its first layer's. Some all-reduce (ALLREDUCE_EVENTS, not
+    FusedReducer's stats) must start inside that window: after the last layer's weight gradients
+    are in, while the first layer's are still to be computed (stage 0, on pp rank 0, runs full
+    backwards, where the window holds too). Torch's own path (gradients added by hand, the groups
+    in forward order) leaves every reduction for after the last weight half."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    from fused_reducer.pipelining import PipelineStage
+    from dist_utils import ALLREDUCE_EVENTS
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(8)]
+    models, stages = {}, []
+    for s in (pp, pp + 2):
+        module = nn.Sequential(*layers[2 * s:2 * s + 2])
+        for name, layer in (("last", module[1][0]), ("first", module[0][0])):
+            def mark_node(_, args, out, name=f"stage{s}_{name}_layer_backward"):
+                def marker(grad_outputs):
+                    with torch.profiler.record_function(name):
+                        pass
+                if out.grad_fn is not None:  # shape inference runs without grad
+                    out.grad_fn.register_prehook(marker)
+            layer.register_forward_hook(mark_node)
+        models[s] = FusedReducer(module, device_mesh=mesh["dp"], bucket_cap_mb=0.00002,
+                                 first_bucket_mb=0.00002)  # one parameter per bucket
+        stages.append(PipelineStage(models[s], s, 4, torch.device("cpu"),
+                                    group=mesh["pp"].get_group()))
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=MICRO, loss_fn=_loss)
+
+    def step(k):
+        x, y = _data(dp, k)
+        for model in models.values():
+            model.zero_grad(set_to_none=True)
+        schedule.step(x) if pp == 0 else schedule.step(target=y)
+    step(0)  # shape inference and the first layout
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(1)
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.name in ALLREDUCE_EVENTS)
+
+    def last(name):
+        return max(e.time_range.start for e in events if e.name == name)
+    windows = {s: (last(f"stage{s}_last_layer_backward"), last(f"stage{s}_first_layer_backward"))
+               for s in models}
+    return {"stages": sorted(models), "allreduces": len(starts),
+            "buckets": sum(len(m.bucket_sizes()) for m in models.values()),
+            "inside": {s: sum(1 for t in starts if lo < t < hi) for s, (lo, hi) in windows.items()},
+            "ordered": {s: lo < hi for s, (lo, hi) in windows.items()}}
+
+
+def check_zero_bubble_with_find_unused_parameters(rank, world):
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, bucket_cap_mb=0.00002,
+                first_bucket_mb=0.00002, find_unused_parameters=True)
+
+
+def check_zero_bubble_with_each_weight_used_twice(rank, world):
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, twice=True,
+                bucket_cap_mb=0.00002, first_bucket_mb=0.00002)
+
+
+def check_dualpipev(rank, world):
+    return _run("ScheduleDualPipeV", stages_per_rank=2, v_shape=True, bucket_cap_mb=0.00002,
+                first_bucket_mb=0.00002)
+
+
 def check_split_backward_with_dtensors_is_refused(rank, world):
     """What a zero-bubble schedule asks of a stage: the input half of a split backward, here of
     a stage whose Linear is tensor-parallel (ColwiseParallel over the 'pp' dimension, as a
@@ -183,11 +267,12 @@ def outcomes(request):
     return checks.run(request, world_size=WORLD, timeout=240)
 
 
-def _assert_exact_once_per_step(results):
+def _assert_exact_once_per_step(results, extra=0):
+    """`extra`: all-reduces per step besides the buckets' (find_unused_parameters' used map)."""
     for r in results:
         assert r["params"] < TOL, r
         assert r["reductions"] == [[1] * len(r["buckets"])] * STEPS, r
-        assert r["allreduces"] == [r["buckets"]] * STEPS, r
+        assert r["allreduces"] == [[n + extra for n in r["buckets"]]] * STEPS, r
 
 
 @checks.uses(check_gpipe)
@@ -223,6 +308,34 @@ def test_interleaved_zero_bubble_split_backward_is_exact_with_one_reduction_per_
 @checks.uses(check_zbv_zero_bubble)
 def test_zbv_zero_bubble_split_backward_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_zbv_zero_bubble"))
+
+
+@checks.uses(check_zero_bubble_reduction_overlaps_the_last_weight_half)
+def test_zero_bubble_reduction_starts_while_the_last_weight_half_runs(outcomes):
+    results = per_rank(outcomes, "check_zero_bubble_reduction_overlaps_the_last_weight_half")
+    for r in results:
+        assert r["allreduces"] == r["buckets"] and r["buckets"] >= 8, r
+        for stage in r["stages"]:
+            if stage != 0:  # a first stage runs full backwards, not split ones
+                assert r["ordered"][stage] and r["inside"][stage] >= 1, r
+
+
+@checks.uses(check_zero_bubble_with_find_unused_parameters)
+def test_zero_bubble_with_find_unused_parameters_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_zero_bubble_with_find_unused_parameters"),
+                                extra=1)
+
+
+@checks.uses(check_zero_bubble_with_each_weight_used_twice)
+def test_zero_bubble_with_each_weight_used_twice_is_exact(outcomes):
+    """A weight used twice in a stage's forward: its split backward's parameter group has two
+    intermediates, one reached through the other (Note [Split backward]: counted once)."""
+    _assert_exact_once_per_step(per_rank(outcomes, "check_zero_bubble_with_each_weight_used_twice"))
+
+
+@checks.uses(check_dualpipev)
+def test_dualpipev_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_dualpipev"))
 
 
 @checks.uses(check_split_backward_with_dtensors_is_refused)

@@ -1,0 +1,91 @@
+"""Mutation entries for large models (issue 40); same format as scripts/mutations.py's
+MUTATIONS. The code: python/fused_reducer/core/tensor_parallel.py (Note [DTensor parameters]),
+the re-arm of several forwards before their backwards in core/wrapper.py (Note [Several forwards
+before their backwards]) and fused_reducer.pipelining's stage (integrations/pipelining.py, Note
+[Split backward]); tests in tests/test_tensor_parallel.py, tests/test_forwards_before_backwards.py
+and tests/test_pipeline_parallel.py.
+"""
+
+TP_PY = "python/fused_reducer/core/tensor_parallel.py"
+WRAPPER_PY = "python/fused_reducer/core/wrapper.py"
+PIPELINING_PY = "python/fused_reducer/integrations/pipelining.py"
+TP = "tests/test_tensor_parallel.py::"
+FB = "tests/test_forwards_before_backwards.py::"
+PP = "tests/test_pipeline_parallel.py::"
+
+MUTATIONS = [
+    dict(
+        id="tp-sharded-norm-part-not-summed-over-tp",
+        file=TP_PY,
+        edits=[("                dist.all_reduce(part, op=op, group=mesh.get_group(dim))",
+                "                pass")],
+        why="the global norm of DTensor gradients counts only this rank's shard of each "
+            "tensor-parallel parameter: clip_grad_norm_ clips by a norm torch would not compute",
+        tests=[TP + "test_norm_from_the_copy_is_torchs_dtensor_norm"],
+    ),
+    dict(
+        id="tp-norm-from-the-copy-counts-replicated-twice",
+        file=TP_PY,
+        edits=[("            parts[1] = copied if norm_type == math.inf else max(copied - float(parts[0]), 0.0)",
+                "            parts[1] = copied")],
+        why="the norm from the copy puts the replicated parameters' share in the sharded part "
+            "too: they count once per TP rank and once more",
+        tests=[TP + "test_norm_from_the_copy_is_torchs_dtensor_norm"],
+    ),
+    dict(
+        id="tp-zero-grad-not-seen-by-the-leaf",
+        file=TP_PY,
+        edits=[("            if grad is None:\n                e.leaf.grad = None\n",
+                "            if grad is None:\n                pass\n")],
+        why="after optimizer.zero_grad(set_to_none=True) the reducer's leaf keeps last step's "
+            "gradient: the next backward accumulates onto it and every step after the first "
+            "applies the sum of all the steps so far",
+        tests=[TP + "test_tp_times_dp_matches_float64_global_batch_and_ddp"],
+    ),
+    dict(
+        id="several-forwards-arm-not-renewed",
+        file=WRAPPER_PY,
+        edits=[("        if self._armed():\n            return\n        if self._sharded:",
+                "        if True:\n            return\n        if self._sharded:")],
+        why="a second backward of forwards run outside no_sync() stays local as under DDP: "
+            "param.grad = avg(g1) + g2, silently wrong",
+        tests=[FB + "test_several_forwards_before_backwards_match_the_float64_global_batch[gpipe]"],
+    ),
+    dict(
+        id="split-backward-last-weight-half-not-armed",
+        file=PIPELINING_PY,
+        edits=[("        self.submod.prepare_for_backward()\n        for _, group in sorted(",
+                "        for _, group in sorted(")],
+        why="the step's last weight half runs unarmed: its gradients stay local and no bucket "
+            "of a split stage is reduced (each DP rank steps on its own gradients)",
+        tests=[PP + "test_interleaved_zero_bubble_split_backward_is_exact_with_one_reduction_per_bucket"],
+    ),
+    dict(
+        id="split-backward-groups-in-forward-order",
+        file=PIPELINING_PY,
+        edits=[("key=lambda item: -item[0]", "key=lambda item: item[0]")],
+        why="the last weight half computes the first layer's weight gradients first: the "
+            "buckets (laid out last layer first) fill only at its end, so the reduction no "
+            "longer overlaps it",
+        tests=[PP + "test_zero_bubble_reduction_starts_while_the_last_weight_half_runs"],
+    ),
+    dict(
+        id="split-backward-intermediates-not-clamped",
+        file=PIPELINING_PY,
+        edits=[("                      if len(intermediates) > 1 else [])",
+                "                      if False else [])")],
+        why="a weight used twice in a stage: the gradient reaching one of its intermediates "
+            "through the other is added to the saved one, counted twice",
+        tests=[PP + "test_zero_bubble_with_each_weight_used_twice_is_exact"],
+    ),
+    dict(
+        id="split-backward-overlapped-with-find-unused",
+        file=PIPELINING_PY,
+        edits=[("            if (backward_type == \"weight\" and last_backward\n"
+                "                    and not self.submod.find_unused_parameters):",
+                "            if backward_type == \"weight\" and last_backward:")],
+        why="with find_unused_parameters the end of the first group's weight backward decides "
+            "the later groups' parameters unused: their gradients are averaged as zeros",
+        tests=[PP + "test_zero_bubble_with_find_unused_parameters_is_exact_with_one_reduction_per_bucket"],
+    ),
+]
