@@ -3,7 +3,7 @@ MUTATIONS. The code: python/fused_reducer/core/tensor_parallel.py (Note [DTensor
 the re-arm of several forwards before their backwards in core/wrapper.py (Note [Several forwards
 before their backwards]) and fused_reducer.pipelining's stage (integrations/pipelining.py, Note
 [Split backward]); tests in tests/test_tensor_parallel.py, tests/test_forwards_before_backwards.py
-and tests/test_pipeline_parallel.py.
+tests/test_pipeline_parallel.py and tests/test_3d_parallel.py.
 """
 
 TP_PY = "python/fused_reducer/core/tensor_parallel.py"
@@ -12,6 +12,7 @@ PIPELINING_PY = "python/fused_reducer/integrations/pipelining.py"
 TP = "tests/test_tensor_parallel.py::"
 FB = "tests/test_forwards_before_backwards.py::"
 PP = "tests/test_pipeline_parallel.py::"
+D3 = "tests/test_3d_parallel.py::"
 
 MUTATIONS = [
     dict(
@@ -54,8 +55,8 @@ MUTATIONS = [
     dict(
         id="split-backward-last-weight-half-not-armed",
         file=PIPELINING_PY,
-        edits=[("        self.submod.prepare_for_backward()\n        for _, group in sorted(",
-                "        for _, group in sorted(")],
+        edits=[("        if reduce:\n            self.submod.prepare_for_backward()\n",
+                "        if False:\n            self.submod.prepare_for_backward()\n")],
         why="the step's last weight half runs unarmed: its gradients stay local and no bucket "
             "of a split stage is reduced (each DP rank steps on its own gradients)",
         tests=[PP + "test_interleaved_zero_bubble_split_backward_is_exact_with_one_reduction_per_bucket"],
@@ -72,8 +73,8 @@ MUTATIONS = [
     dict(
         id="split-backward-intermediates-not-clamped",
         file=PIPELINING_PY,
-        edits=[("                      if len(intermediates) > 1 else [])",
-                "                      if False else [])")],
+        edits=[("for node, grads in zip(intermediates, saved)] if len(intermediates) > 1 else [])",
+                "for node, grads in zip(intermediates, saved)] if False else [])")],
         why="a weight used twice in a stage: the gradient reaching one of its intermediates "
             "through the other is added to the saved one, counted twice",
         tests=[PP + "test_zero_bubble_with_each_weight_used_twice_is_exact"],
@@ -81,11 +82,29 @@ MUTATIONS = [
     dict(
         id="split-backward-overlapped-with-find-unused",
         file=PIPELINING_PY,
-        edits=[("            if (backward_type == \"weight\" and last_backward\n"
-                "                    and not self.submod.find_unused_parameters):",
-                "            if backward_type == \"weight\" and last_backward:")],
+        edits=[("            reduce = last_backward and not self.submod.find_unused_parameters",
+                "            reduce = last_backward")],
         why="with find_unused_parameters the end of the first group's weight backward decides "
             "the later groups' parameters unused: their gradients are averaged as zeros",
         tests=[PP + "test_zero_bubble_with_find_unused_parameters_is_exact_with_one_reduction_per_bucket"],
+    ),
+    dict(
+        id="split-backward-input-half-given-the-dtensor-parameters",
+        file=PIPELINING_PY,
+        edits=[("iter(self.submod._attachment.autograd_leaves))", "self.submod.parameters())")],
+        why="torch's input half is given the module's DTensor parameters, whose gradient "
+            "accumulators are not in the graph (it holds FusedReducer's plain leaves): the "
+            "tensor-parallel weights of a split stage get no gradient at all",
+        tests=[D3 + "test_tp_pp_dp_zero_bubble_split_backward_matches_float64_with_one_reduction_per_bucket"],
+    ),
+    dict(
+        id="split-backward-dtensor-grads-not-republished",
+        file=PIPELINING_PY,
+        edits=[("        self.submod._attachment.publish_gradients()\n\n    def perform_reduce_grad",
+                "\n    def perform_reduce_grad")],
+        why="after a weight half the DTensor parameters' .grad still views the old (or no) "
+            "local gradient: the next forward's hand-over back to the leaves drops what the "
+            "weight halves accumulated",
+        tests=[D3 + "test_tp_pp_dp_zero_bubble_split_backward_matches_float64_with_one_reduction_per_bucket"],
     ),
 ]

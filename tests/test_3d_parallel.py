@@ -60,9 +60,9 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm2(x))))
 
 
-def _blocks(dtype=torch.float32, dim=DIM):
+def _blocks(dtype=torch.float32, dim=DIM, n=2):
     torch.manual_seed(0)
-    return [Block(dim).to(dtype) for _ in range(2)]
+    return [Block(dim).to(dtype) for _ in range(n)]
 
 
 def _tp_plan():
@@ -84,7 +84,7 @@ def _loss(out, target):
 def _reference(steps, blocks=2, dp_size=2, dim=DIM):
     """float64, one process, the global batch (every DP rank's rows): parameters after each
     step, per block."""
-    blocks = _blocks(torch.float64, dim)[:blocks]
+    blocks = _blocks(torch.float64, dim, max(blocks, 2))[:blocks]
     model = nn.Sequential(*blocks)
     after = []
     for step in range(steps):
@@ -165,6 +165,52 @@ def check_1f1b_exact_and_profile(rank, world):
     out["local_bytes"] = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() * 4
                           for n, p in model.module.named_parameters()}
     out["dp_size"] = mesh["dp"].size()
+    return out
+
+
+def check_zero_bubble_split_backward_of_tp_stages(rank, world):
+    """ScheduleInterleavedZeroBubble (input and weight halves split) over 4 tensor-parallel
+    blocks, two stages per pp rank (stages pp and pp + 2): every stage's DTensor parameters get
+    their weight halves' gradients, reduced over the DP group once per step (Note [Split
+    backward]); the parameters match the float64 model of the 4 blocks on the global batch and
+    each param.grad is a DTensor with its parameter's placements."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    from fused_reducer.pipelining import PipelineStage
+    mesh = _mesh()
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    blocks = _blocks(n=4)
+    example = torch.zeros(ROWS // MICRO, TOKENS, DIM)
+    models, stages = {}, []
+    for s in (pp, pp + 2):
+        parallelize_module(blocks[s], mesh["tp"], _tp_plan())
+        models[s] = FusedReducer(blocks[s], device_mesh=mesh["dp"], bucket_cap_mb=0.001,
+                                 first_bucket_mb=0.001)
+        stages.append(PipelineStage(models[s], s, 4, torch.device("cpu"),
+                                    input_args=(example.clone().requires_grad_(s > 0),),
+                                    output_args=(example.clone().requires_grad_(),),
+                                    group=mesh["pp"].get_group()))
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=MICRO, loss_fn=_loss)
+    opt = torch.optim.SGD([p for m in models.values() for p in m.parameters()], lr=LR)
+    reference = _reference(STEPS, blocks=4)
+    out = {"params": [], "reductions": [], "allreduces": [], "grad_placements": True}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        before = {s: m.stats()["step"] for s, m in models.items()}
+        x, y = _data(dp, step)
+        schedule.step(x) if pp == 0 else schedule.step(target=y)
+        out["reductions"].append([m.stats()["step"] - before[s] for s, m in models.items()])
+        out["allreduces"].append([m.stats()["allreduces"] for m in models.values()])
+        out["grad_placements"] &= all(
+            p.grad is not None and isinstance(p.grad, DTensor) == isinstance(p, DTensor) and
+            (not isinstance(p, DTensor) or p.grad.placements == p.placements)
+            for m in models.values() for p in m.module.parameters())
+        opt.step()
+        out["params"].append(max(
+            float((_full(p).detach().double() - reference[step][s][n]).abs().max())
+            for s, m in models.items() for n, p in m.module.named_parameters()))
+    out["buckets"] = [len(m.bucket_sizes()) for m in models.values()]
     return out
 
 
@@ -261,6 +307,16 @@ def test_profile_of_a_stage_records_local_shards_and_the_dp_group_size(outcomes)
             assert plan_main([path, "--json", os.path.join(tmp, "plan.json")]) == 0
         plan = json.load(open(os.path.join(tmp, "plan.json")))
     assert [w["world_size"] for w in plan["worlds"]] == [2], printed.getvalue()
+
+
+@checks.uses(check_zero_bubble_split_backward_of_tp_stages)
+def test_tp_pp_dp_zero_bubble_split_backward_matches_float64_with_one_reduction_per_bucket(outcomes):
+    for r in per_rank(outcomes, "check_zero_bubble_split_backward_of_tp_stages"):
+        assert max(r["params"]) < TOL, r["params"]
+        assert r["grad_placements"], r
+        assert all(n > 1 for n in r["buckets"]), r
+        assert r["reductions"] == [[1, 1]] * STEPS, r
+        assert r["allreduces"] == [r["buckets"]] * STEPS, r
 
 
 @checks.uses(check_autotune_on_a_stage)

@@ -5,7 +5,7 @@ fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x
 a float64 single-process model on the global batch, with one reduction of each bucket per
 schedule step; so do the schedules that split the backward (ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble, ScheduleDualPipeV; Note [Split backward]), whose reduction overlaps the
-last weight half, and whose split backward is refused for DTensor parameters.
+last weight half (with tensor-parallel stages: tests/test_3d_parallel.py).
 """
 import pytest
 import torch
@@ -242,26 +242,6 @@ def check_dualpipev(rank, world):
                 first_bucket_mb=0.00002)
 
 
-def check_split_backward_with_dtensors_is_refused(rank, world):
-    """What a zero-bubble schedule asks of a stage: the input half of a split backward, here of
-    a stage whose Linear is tensor-parallel (ColwiseParallel over the 'pp' dimension, as a
-    stand-in for a TP one)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    from fused_reducer.pipelining import PipelineStage
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    module = nn.Sequential(*_layers()[:2])
-    parallelize_module(module[0][0], mesh["pp"], ColwiseParallel())
-    model = FusedReducer(module, device_mesh=mesh["dp"])
-    stage = PipelineStage(model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"),
-                          group=mesh["pp"].get_group())
-    try:
-        stage.backward_maybe_with_nosync("input", {}, last_backward=False)
-    except FusedReducerError as e:
-        return str(e)
-    return "accepted"
-
-
 @pytest.fixture(scope="module")
 def outcomes(request):
     return checks.run(request, world_size=WORLD, timeout=240)
@@ -336,9 +316,3 @@ def test_zero_bubble_with_each_weight_used_twice_is_exact(outcomes):
 @checks.uses(check_dualpipev)
 def test_dualpipev_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_dualpipev"))
-
-
-@checks.uses(check_split_backward_with_dtensors_is_refused)
-def test_split_backward_of_dtensor_parameters_is_refused(outcomes):
-    for r in per_rank(outcomes, "check_split_backward_with_dtensors_is_refused"):
-        assert "split backward" in r and "DTensor" in r and "Schedule1F1B" in r, r

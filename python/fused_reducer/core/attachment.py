@@ -2,7 +2,7 @@
 see it.
 
 Join (core/join.py), the sharded optimizer (sharded/optimizer.py), the autotuner and the profile
-export (tuning/) need the process group, the transport, the C++ reducer and the parameters in the
+export (tuning/), and the pipelining stage (integrations/pipelining.py) need the process group, the transport, the C++ reducer and the parameters in the
 reducer's order, and a few of the wrapper's step decisions. They get them from
 ``model._attachment`` and from nowhere else: this class names everything they may read or
 change, so the wrapper's other attributes stay its own. Like DDP's ``_get_ddp_logging_data`` /
@@ -65,6 +65,24 @@ class Attachment:
         reducer holds its plain leaf (Note [DTensor parameters]), else the same tensors as
         ``params``."""
         return self._model._module_params()
+
+    @property
+    def autograd_leaves(self):
+        """The tensors backward accumulates the module's gradients into, in the reducer's order
+        and then the trainable parameters the reducer leaves out (DDP-ignored ones): a DTensor
+        parameter's plain leaf (Note [DTensor parameters]), else the parameter itself."""
+        leaves = list(self.params)
+        reduced = {id(p) for p in self.module_params}
+        return leaves + [p for p in self._model.module.parameters()
+                         if p.requires_grad and id(p) not in reduced]
+
+    def publish_gradients(self):
+        """After a backward that did not pass through the module's outputs (a pipeline stage's
+        weight half): each DTensor parameter's ``.grad`` made to view its leaf's again (Note
+        [DTensor parameters]); nothing for a model without DTensor parameters."""
+        tp = self._model._tp
+        if tp:
+            tp.publish_gradients()
 
     def tensor_parallel_norm(self, indexed_grads, norm_type):
         """The global norm of averaged gradient pieces [(reducer index, tensor)] spread over

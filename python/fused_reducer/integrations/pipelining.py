@@ -23,44 +23,48 @@ sees. See Note [Split backward].
 Note [Split backward]
 A split backward runs an input half (the gradients of the stage's inputs, sent upstream at once)
 and, later, a weight half (the parameters' gradients, from the gradients the input half saved at
-the "intermediates" where each group of parameters joins the input's graph). torch computes a
-weight half with torch.autograd.grad and adds the result to param.grad by hand, past every
-gradient hook. So:
-- The input halves and every weight half but the step's last run inside no_sync(): param.grad
-  accumulates each microbatch's weight gradients locally, by torch's hand.
-- The step's last weight half (the schedule's ``last_backward``) arms the reducer
-  (``prepare_for_backward()``) and runs each parameter group's weight backward as a
-  torch.autograd.backward whose inputs are the group's parameters
-  (``_last_weight_half_reduces``): the gradients reach param.grad through the parameters'
-  gradient accumulators, so the reducer's hooks fire as each one lands and a bucket's reduction
-  starts as soon as its last parameter is in, while the later groups' weight gradients are still
-  being computed: the reduction overlaps the last weight half, as it overlaps the last backward
-  under 1F1B. The groups run in backward order (the last layer's first) so that the buckets, laid
-  out in that order, fill one after the other. Between two groups' backwards the reducer stays
-  armed: its end of backward sees parameters not yet ready and waits for them (Note [End of
-  backward] in ext/reducer.cpp), so each bucket is reduced once and param.grad ends as the average
-  of the summed gradients; the schedule's scaling follows at REDUCE_GRAD.
-- A group with several intermediates has its intermediates' incoming gradients replaced by the
+the "intermediates" where each group of parameters joins the input's graph). torch's weight half
+computes them with torch.autograd.grad and adds them to param.grad by hand, past every gradient
+hook, and both halves find the weights by the gradient accumulators of submod.parameters(). So
+this stage runs the halves itself:
+- The input half is torch's (stage_backward_input), given the tensors the graph really
+  accumulates into (``_attachment.autograd_leaves``): for a DTensor parameter, FusedReducer's
+  plain leaf (Note [DTensor parameters] in core/tensor_parallel.py), which torch's own call
+  would miss, computing no weight gradient for it at all.
+- A weight half runs each parameter group's weight backward as a torch.autograd.backward whose
+  inputs are the group's leaves (``_group_backward``): the gradients reach .grad through the
+  gradient accumulators, so the reducer's hooks (and the user's) fire as each one lands. A
+  group with several intermediates has its intermediates' incoming gradients replaced by the
   saved ones (a node pre-hook), as torch does: otherwise a gradient reaching one intermediate
-  through another would be counted twice.
-- With find_unused_parameters the end of each group's backward would decide the parameters of
-  the later groups unused, so the last weight half also runs by torch's hand inside no_sync(), and
-  REDUCE_GRAD reduces once through a backward of zeros into every parameter (each gradient hook
-  fires once, on the accumulated param.grad): exact, but not overlapped.
+  through another would be counted twice. The groups run in backward order (the last layer's
+  first), so that the buckets, laid out in that order, fill one after the other. Afterwards
+  DTensor parameters' .grad is made to view their leaves' again (the backward did not pass
+  through the outputs, whose hooks do that after a full backward).
+- Every weight half but the step's last runs inside no_sync(): .grad accumulates locally. The
+  step's last (the schedule's ``last_backward``) arms the reducer (``prepare_for_backward()``)
+  first: a bucket's reduction starts as soon as its last parameter is in, while the later
+  groups' weight gradients are still being computed, so the reduction overlaps the last weight
+  half as it overlaps the last backward under 1F1B. Between two groups' backwards the reducer
+  stays armed: its end of backward sees parameters not yet ready and waits for them (Note [End
+  of backward] in ext/reducer.cpp); each bucket is reduced once and .grad ends as the average of
+  the summed gradients. The schedule's scaling follows at REDUCE_GRAD.
+- With find_unused_parameters the end of each group's backward would decide the later groups'
+  parameters unused, so the last weight half also runs inside no_sync(), and REDUCE_GRAD
+  reduces once through a backward of zeros into every leaf (each gradient hook fires once, on
+  the accumulated gradient): exact, but not overlapped.
 - A first stage has no input half (torch runs its whole backward at the weight action, a "full"
   backward): it reduces in its last backward as under 1F1B.
-DTensor (tensor-parallel) parameters are refused: torch's input half finds the weights by their
-gradient accumulators in the graph, and the graph holds the reducer's plain leaves (Note [DTensor
-parameters] in core/tensor_parallel.py), so no weight gradient would be computed at all.
 """
 import contextlib
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+# torch's input half, given the tensors the graph accumulates into (for DTensor parameters,
+# FusedReducer's plain leaves): the only function of torch's we call besides the stage's own.
+from torch.distributed.pipelining._backward import stage_backward_input
 
-from ..core.tensor_parallel import is_dtensor
 from ..core.wrapper import FusedReducer
-from ..errors import FusedReducerError
 
 __all__ = ["PipelineStage"]
 
@@ -79,19 +83,15 @@ class PipelineStage(_TorchPipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if not isinstance(self.submod, FusedReducer):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "full":  # See Note [Split backward]
-            self._refuse_split_backward_of_dtensors(backward_type)
-            if (backward_type == "weight" and last_backward
-                    and not self.submod.find_unused_parameters):
-                self._last_weight_half_reduces(bwd_kwargs["param_groups"])
-                self._weights_by_hand = False  # reduced already
-                return (), None
-            with self.submod.no_sync():
-                result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                            last_backward)
-            if backward_type == "weight":
-                self._weights_by_hand = True
-            return result
+        if backward_type == "input":  # See Note [Split backward]
+            return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                        bwd_kwargs["input_values"],
+                                        iter(self.submod._attachment.autograd_leaves))
+        if backward_type == "weight":
+            reduce = last_backward and not self.submod.find_unused_parameters
+            self._weight_half(bwd_kwargs["param_groups"], reduce)
+            self._weights_by_hand = not reduce  # not yet reduced: REDUCE_GRAD will
+            return (), None
         if last_backward:
             self.submod.prepare_for_backward()
             self._weights_by_hand = False  # this backward reduces them too
@@ -102,61 +102,55 @@ class PipelineStage(_TorchPipelineStage):
             # torch's own path for a module that is neither DDP nor FSDP: the plain backward.
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
-    def _last_weight_half_reduces(self, param_groups):
-        """The step's last weight half, each parameter group's gradients accumulated through the
-        parameters' gradient accumulators, so that the reduction overlaps it. See Note [Split
-        backward]."""
-        params = [p for p in self.submod.parameters() if p.requires_grad]
-        by_accumulator = {_gradient_accumulator(p): (position, p)
-                          for position, p in enumerate(params)}
+    def _weight_half(self, param_groups, reduce):
+        """One microbatch's weight half: each parameter group's gradients accumulated through
+        the gradient accumulators, last layer first, inside no_sync() or, when `reduce` (the
+        step's last weight half), reduced as they land. See Note [Split backward]."""
+        leaves = self.submod._attachment.autograd_leaves
+        by_accumulator = {_gradient_accumulator(t): (position, t)
+                          for position, t in enumerate(leaves)}
         groups = [(max(by_accumulator[node][0] for node in group["params"]), group)
-                  for group in param_groups]
-        self.submod.prepare_for_backward()
-        for _, group in sorted(groups, key=lambda item: -item[0]):  # the last layer's first
-            intermediates = group.pop("intermediates")
-            saved = group.pop("grads", None) or [()] * len(intermediates)
-            roots = [torch.autograd.graph.GradientEdge(node, i)
-                     for node, grads in zip(intermediates, saved)
-                     for i, grad in enumerate(grads) if grad is not None]
-            if not roots:
-                continue
-            root_grads = [grad for grads in saved for grad in grads if grad is not None]
-            clamps = ([node.register_prehook(lambda _, grads=grads: grads)
-                       for node, grads in zip(intermediates, saved)]
-                      if len(intermediates) > 1 else [])
-            try:
-                torch.autograd.backward(
-                    roots, grad_tensors=root_grads,
-                    inputs=[by_accumulator[node][1] for node in group["params"]])
-            finally:
-                for clamp in clamps:
-                    clamp.remove()
+                  for group in param_groups or ()]
+        if reduce:
+            self.submod.prepare_for_backward()
+        with contextlib.nullcontext() if reduce else self.submod.no_sync():
+            for _, group in sorted(groups, key=lambda item: -item[0]):  # the last layer's first
+                _group_backward(group, [by_accumulator[node][1] for node in group["params"]])
+        self.submod._attachment.publish_gradients()
 
     def perform_reduce_grad(self, grad_scale_factor):
         if isinstance(self.submod, FusedReducer) and self.__dict__.get("_weights_by_hand"):
             self._weights_by_hand = False
             # See Note [Split backward]: a backward of zeros fires every gradient hook once.
-            params = [p for p in self.submod.parameters() if p.requires_grad][::-1]
+            leaves = self.submod._attachment.autograd_leaves[::-1]
             self.submod.prepare_for_backward()
-            torch.autograd.backward(params, grad_tensors=[p.new_zeros(()).expand_as(p)
-                                                          for p in params])
+            torch.autograd.backward(leaves, grad_tensors=[t.new_zeros(()).expand_as(t)
+                                                          for t in leaves])
+            self.submod._attachment.publish_gradients()
         super().perform_reduce_grad(grad_scale_factor)
-
-    def _refuse_split_backward_of_dtensors(self, backward_type):
-        tensor_parallel = [n for n, p in self.submod.module.named_parameters() if is_dtensor(p)]
-        if tensor_parallel:
-            raise FusedReducerError(
-                f"fused_reducer.pipelining.PipelineStage: stage {self.stage_index} was asked for a "
-                f"split backward ('{backward_type}'), which zero-bubble schedules use, but its "
-                f"parameters include DTensors ({tensor_parallel[0]!r}, ...): torch's weight "
-                "backward finds the weights by their gradient accumulators, which are not in the "
-                "graph FusedReducer builds for tensor-parallel parameters (Note [DTensor "
-                "parameters]), so their gradients would not be computed. Use ScheduleGPipe, "
-                "Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS with tensor "
-                "parallelism.")
 
 
 def _gradient_accumulator(param):
     """The AccumulateGrad node of a leaf (created on first use): what torch's split backward keeps
     in its parameter groups."""
     return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _group_backward(group, weights):
+    """A parameter group's weight gradients from the gradients the input half saved at its
+    intermediates, accumulated into `weights` (their .grad) by autograd."""
+    intermediates = group.pop("intermediates")
+    saved = group.pop("grads", None) or [()] * len(intermediates)
+    roots = [GradientEdge(node, i) for node, grads in zip(intermediates, saved)
+             for i, grad in enumerate(grads) if grad is not None]
+    if not roots:
+        return
+    root_grads = [grad for grads in saved for grad in grads if grad is not None]
+    # Each intermediate gets its saved gradient only, not one more through another intermediate.
+    clamps = ([node.register_prehook(lambda _, grads=grads: grads)
+               for node, grads in zip(intermediates, saved)] if len(intermediates) > 1 else [])
+    try:
+        torch.autograd.backward(roots, grad_tensors=root_grads, inputs=weights)
+    finally:
+        for clamp in clamps:
+            clamp.remove()
