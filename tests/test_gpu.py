@@ -526,3 +526,10 @@ def test_world_of_one_reduce_scatter_and_all_gather_are_the_identity_on_nccl(ncc
     with pytest.raises(RuntimeError, match="cuda:0, got cpu"):
         transports[0].all_gather(torch.zeros(8, dtype=dtype))
     transports[0].close(10.0)
+
+
+def test_tensor_parallel_split_backward_pipeline_on_the_gpu(nccl_world_of_one):
+    from test_pipeline_parallel import tp_and_split_pipeline_world_of_one
+    out = tp_and_split_pipeline_world_of_one("cuda")
+    assert out["params"] < 1e-5, out
+    assert out["reductions"] == [[1, 1]] * 2 and out["placements"], out

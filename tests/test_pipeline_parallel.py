@@ -316,3 +316,69 @@ def test_zero_bubble_with_each_weight_used_twice_is_exact(outcomes):
 @checks.uses(check_dualpipev)
 def test_dualpipev_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_dualpipev"))
+
+
+def tp_and_split_pipeline_world_of_one(device, steps=2):
+    """Tensor parallel x a split-backward pipeline on one rank (issue 40 on the device path):
+    mesh (pp, dp, tp) = (1, 1, 1), two stages on the rank under ScheduleInterleavedZeroBubble,
+    each an MLP with ColwiseParallel + RowwiseParallel Linears in a FusedReducer over mesh['dp'].
+    Returns the parameters' largest difference from a float64 copy trained on the same batches,
+    the reductions per stage and step, and whether every param.grad kept its placements. Also
+    run on the CPU over gloo, so that the logic is checked where no GPU is; on a GPU by
+    tests/test_gpu.py, over NCCL."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from fused_reducer.pipelining import PipelineStage
+    mesh = init_device_mesh(device, (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2)]
+    reference = nn.Sequential(*(nn.Sequential(*(m.double() for m in (
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))) for _ in range(2)))
+    reference.load_state_dict({k: v.double() for k, v in
+                               nn.Sequential(*blocks).state_dict().items()})
+    models, stages = [], []
+    for index, block in enumerate(blocks):
+        block.to(device)
+        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = FusedReducer(block, device_mesh=mesh["dp"], bucket_cap_mb=0.001,
+                                           first_bucket_mb=0.001)
+        models.append(model)
+        stages.append(PipelineStage(model, index, 2, torch.device(device),
+                                    group=mesh["pp"].get_group()))
+    loss_fn = lambda out, target: (out - target).pow(2).mean()  # noqa: E731
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=4, loss_fn=loss_fn)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out = {"reductions": [], "placements": True}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        before = [m.stats()["step"] for m in models]
+        opt.zero_grad(set_to_none=True)
+        schedule.step(x.to(device), target=y.to(device))
+        out["reductions"].append([m.stats()["step"] - b for m, b in zip(models, before)])
+        out["placements"] &= all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+                                 for m in models for p in m.module.parameters())
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(reference(x.double()), y.double()).backward()
+        ref_opt.step()
+    out["params"] = max(float((p.detach().full_tensor().double().cpu() - r.detach()).abs().max())
+                        for p, r in zip((p for m in models for p in m.module.parameters()),
+                                        reference.parameters()))
+    return out
+
+
+
+def test_tensor_parallel_split_backward_pipeline_on_one_rank():
+    from dist_utils import run_ranks
+    out, = run_ranks(_tp_and_split_pipeline_on_the_cpu, 1)
+    assert out["params"] < 1e-6, out
+    assert out["reductions"] == [[1, 1]] * 2 and out["placements"], out
+
+
+def _tp_and_split_pipeline_on_the_cpu(rank, world):
+    return tp_and_split_pipeline_world_of_one("cpu")
