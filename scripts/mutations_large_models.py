@@ -107,4 +107,13 @@ MUTATIONS = [
             "weight halves accumulated",
         tests=[D3 + "test_tp_pp_dp_zero_bubble_split_backward_matches_float64_with_one_reduction_per_bucket"],
     ),
+    dict(
+        id="pipeline-scaling-on-released-gradients",
+        file=PIPELINING_PY,
+        edits=[("        if optimizer is None:\n            return super().scale_grads(grad_scale_factor)",
+                "        if True:\n            return super().scale_grads(grad_scale_factor)")],
+        why="a pipeline schedule's scaling by microbatches divides param.grad, which a "
+            "ShardedOptimizer has released (a placeholder): every step of PP with ZeRO-1 fails",
+        tests=[PP + "test_sharded_optimizer_under_1f1b_is_exact_with_one_reduction_per_bucket"],
+    ),
 ]

@@ -64,7 +64,10 @@ def _reference(steps, twice=False):
     return [[p.detach().clone() for p in layer.parameters()] for layer in layers]
 
 
-def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, **fr_kwargs):
+def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, sharded=False,
+         **fr_kwargs):
+    """`sharded`: each stage's parameters stepped by a ShardedOptimizer (SGD) over the DP group,
+    else one plain SGD."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed import pipelining
     from fused_reducer.pipelining import PipelineStage
@@ -86,10 +89,15 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, **fr_kwar
     schedule_cls = getattr(pipelining, schedule_name)
     schedule = schedule_cls(stages if stages_per_rank > 1 else stages[0], n_microbatches=MICRO,
                             loss_fn=_loss)
-    opt = torch.optim.SGD([p for _, m in models for p in m.parameters()], lr=LR)
+    if sharded:
+        from fused_reducer import ShardedOptimizer
+        opts = [ShardedOptimizer(m, torch.optim.SGD, lr=LR) for _, m in models]
+    else:
+        opts = [torch.optim.SGD([p for _, m in models for p in m.parameters()], lr=LR)]
     out = {"reductions": [], "allreduces": [], "buckets": [len(m.bucket_sizes()) for _, m in models]}
     for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         before = [m.stats()["step"] for _, m in models]
         x, y = _data(dp, step)
         first, last = 0 in indices, n_stages - 1 in indices
@@ -99,7 +107,8 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, **fr_kwar
         schedule.step(x, **kwargs) if first else schedule.step(**kwargs)
         out["reductions"].append([m.stats()["step"] - b for (_, m), b in zip(models, before)])
         out["allreduces"].append([m.stats()["allreduces"] for _, m in models])
-        opt.step()
+        for opt in opts:
+            opt.step()
     reference = _reference(STEPS, twice)
     out["params"] = max(
         float((p.detach().double() - r).abs().max())
@@ -237,6 +246,15 @@ def check_zero_bubble_with_each_weight_used_twice(rank, world):
                 bucket_cap_mb=0.00002, first_bucket_mb=0.00002)
 
 
+def check_sharded_optimizer_under_1f1b(rank, world):
+    return _run("Schedule1F1B", sharded=True, bucket_cap_mb=0.0002, first_bucket_mb=0.0002)
+
+
+def check_sharded_optimizer_under_zero_bubble(rank, world):
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, sharded=True,
+                bucket_cap_mb=0.00002, first_bucket_mb=0.00002)
+
+
 def check_dualpipev(rank, world):
     return _run("ScheduleDualPipeV", stages_per_rank=2, v_shape=True, bucket_cap_mb=0.00002,
                 first_bucket_mb=0.00002)
@@ -311,6 +329,16 @@ def test_zero_bubble_with_each_weight_used_twice_is_exact(outcomes):
     """A weight used twice in a stage's forward: its split backward's parameter group has two
     intermediates, one reached through the other (Note [Split backward]: counted once)."""
     _assert_exact_once_per_step(per_rank(outcomes, "check_zero_bubble_with_each_weight_used_twice"))
+
+
+@checks.uses(check_sharded_optimizer_under_1f1b)
+def test_sharded_optimizer_under_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_sharded_optimizer_under_1f1b"))
+
+
+@checks.uses(check_sharded_optimizer_under_zero_bubble)
+def test_sharded_optimizer_under_zero_bubble_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_sharded_optimizer_under_zero_bubble"))
 
 
 @checks.uses(check_dualpipev)

@@ -84,6 +84,12 @@ class Attachment:
         if tp:
             tp.publish_gradients()
 
+    @property
+    def sharded_optimizer(self):
+        """The model's live ShardedOptimizer, or None: with one, the averaged gradients exist
+        only as its shards."""
+        return self._model._live_sharded_optimizer()
+
     def tensor_parallel_norm(self, indexed_grads, norm_type):
         """The global norm of averaged gradient pieces [(reducer index, tensor)] spread over
         the DP ranks (each rank passes its own), with DTensor parameters' shards summed over

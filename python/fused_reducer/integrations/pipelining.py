@@ -13,7 +13,8 @@ FusedReducer stage module through its public API with the protocol torch uses fo
 forward and all but the last backward of a step inside ``no_sync()`` (the gradients accumulate
 locally), ``prepare_for_backward()`` just before the last microbatch's backward, which then
 reduces each bucket once, overlapped with that backward. The schedule's gradient scaling by the
-number of microbatches (``scale_grads``) divides the averaged ``param.grad`` as for DDP.
+number of microbatches (``scale_grads``) divides the averaged ``param.grad`` as for DDP (with a
+ShardedOptimizer, whose averaged gradients exist only as shards, it divides the shards).
 
 Schedules that split the backward into an input and a weight part (zero-bubble:
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) compute the weight
@@ -117,6 +118,15 @@ class PipelineStage(_TorchPipelineStage):
             for _, group in sorted(groups, key=lambda item: -item[0]):  # the last layer's first
                 _group_backward(group, [by_accumulator[node][1] for node in group["params"]])
         self.submod._attachment.publish_gradients()
+
+    def scale_grads(self, grad_scale_factor):
+        """torch's scaling by the number of microbatches, on param.grad; with a ShardedOptimizer
+        on its gradient shards (param.grad is then a placeholder)."""
+        optimizer = (self.submod._attachment.sharded_optimizer
+                     if isinstance(self.submod, FusedReducer) else None)
+        if optimizer is None:
+            return super().scale_grads(grad_scale_factor)
+        optimizer.divide_gradients(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor):
         if isinstance(self.submod, FusedReducer) and self.__dict__.get("_weights_by_hand"):

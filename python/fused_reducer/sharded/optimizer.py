@@ -307,6 +307,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad = flats[f.bucket][f.at:f.at + (f.end - f.begin)]
             f.opt.grad = grad if grad.dtype == f.opt.dtype else grad.to(f.opt.dtype)
 
+    @torch.no_grad()
+    def divide_gradients(self, divisor):
+        """Divide this step's averaged gradients by `divisor` before step(): what a pipeline
+        schedule's ``scale_grads`` does to param.grad (by the number of microbatches), done to
+        the shards, the only gradients there are (param.grad holds a placeholder)."""
+        self._attach_gradients()
+        if divisor != 1:
+            for f in self._fragments:
+                if f.opt.grad is not None:
+                    f.opt.grad.div_(divisor)
+
     def _gradients(self):
         return [f.opt.grad for f in self._fragments
                 if f.opt.grad is not None and f.index in self._group_of]
