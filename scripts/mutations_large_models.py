@@ -100,8 +100,8 @@ MUTATIONS = [
     dict(
         id="split-backward-dtensor-grads-not-republished",
         file=PIPELINING_PY,
-        edits=[("        self.submod._attachment.publish_gradients()\n\n    def perform_reduce_grad",
-                "\n    def perform_reduce_grad")],
+        edits=[("        self.submod._attachment.publish_gradients()\n\n    def scale_grads",
+                "\n    def scale_grads")],
         why="after a weight half the DTensor parameters' .grad still views the old (or no) "
             "local gradient: the next forward's hand-over back to the leaves drops what the "
             "weight halves accumulated",
