@@ -30,9 +30,27 @@ A ShardedOptimizer maps the DTensor parameters it is given to the leaves (the at
 module_params) and shards the leaves' buckets; its norm sums the DP shards, then the TP shards
 (norm_of_pieces). In sharded mode P.grad stays None after a synchronised backward: the averaged
 gradient exists only as shards.
+
+Note [Copies of DTensor models]
+A copy of a FusedReducer (pickle, torch.save(model), copy.deepcopy) drops the group and the
+reducer and attaches again at its first forward, as for a plain model; a plain model attaches to
+the default group, which for a tensor-parallel model also holds the TP ranks (its shards would
+be averaged with each other: refused by _refuse_sharded_over_dp). The copy of a model with
+DTensor parameters therefore keeps the name of its data-parallel group and attaches to that group
+again (group_named: as DeviceMesh finds its groups after unpickling); a process without a group
+of that name raises, naming what to do. The plain leaves (_tp) are rebuilt from the copy's
+DTensor parameters when it attaches. parallelize_module and distribute_module register their
+input/output conversions as lambdas, which pickle cannot save (the unwrapped module fails alike,
+"Can't pickle local object 'distribute_module.<locals>.<lambda>'"): pickling such a model raises
+FusedReducerError naming the hook and the ways that work (copy.deepcopy, which copies hooks by
+reference; the state_dict or torch.distributed.checkpoint for saving). torch.compile needs
+nothing more: the swap of Note [DTensor parameters] runs in the compiled forward (the DTensor
+views enter the graph as inputs) and the bookkeeping stays outside it (torch.compiler.disable).
 """
 import contextlib
+import functools
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -80,6 +98,59 @@ def _refuse_sharded_over_dp(name, p, dp_group):
                 "pass the data-parallel dimension to FusedReducer (device_mesh=mesh['dp']); for "
                 "parameters sharded over the data-parallel dimension use FSDP "
                 "(torch.distributed.fsdp.fully_shard).")
+
+
+def group_named(name):
+    """The process group registered under `name` (None for None): see Note [Copies of DTensor
+    models]."""
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError as e:
+        raise FusedReducerError(
+            "FusedReducer: this copy of a model with DTensor parameters attaches again to the "
+            f"data-parallel group it was wrapped with (process group '{name}'), but this process "
+            "has no group of that name (loaded in another job?). Create the device mesh (or the "
+            "groups) as the saving job did before the copy's first forward, or wrap its module "
+            "again: FusedReducer(copy.module, device_mesh=mesh['dp']).") from e
+
+
+def _local_function(hook):
+    """`hook`'s function if pickle cannot save it (a lambda or a function defined inside
+    another: pickle saves functions by qualified name), else None."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    fn = getattr(hook, "__func__", hook)
+    if isinstance(fn, types.FunctionType) and ("<locals>" in fn.__qualname__
+                                               or "<lambda>" in fn.__qualname__):
+        return fn
+    return None
+
+
+def refuse_unpicklable_hooks(module):
+    """Pickling a model with DTensor parameters: refused, naming the hook, if a module hook is a
+    function pickle cannot save (Note [Copies of DTensor models])."""
+    for name, sub in module.named_modules():
+        for attr, hooks in vars(sub).items():
+            if not (attr.endswith("_hooks") and isinstance(hooks, dict)):
+                continue
+            for hook in hooks.values():
+                fn = _local_function(hook)
+                if fn is None:
+                    continue
+                where = f"module '{name}'" if name else "the wrapped module"
+                raise FusedReducerError(
+                    f"FusedReducer: this tensor-parallel model cannot be pickled (pickle, "
+                    f"torch.save(model)): {where} has the hook {fn.__module__}.{fn.__qualname__} "
+                    f"({attr}), a function pickle cannot save. torch.distributed.tensor's "
+                    "parallelize_module and distribute_module register such hooks, so the module "
+                    "cannot be pickled unwrapped either. For a copy in this job use "
+                    "copy.deepcopy(model) (it attaches again to the same data-parallel group at its "
+                    "first forward); to save the model save its weights, "
+                    "torch.save(model.state_dict()) or torch.distributed.checkpoint, and load them "
+                    "with load_state_dict into a model built, parallelized and wrapped the same way.")
 
 
 def _key(sharding):
@@ -155,16 +226,20 @@ class TensorParallelParameters:
 
     def adopt_gradients(self):
         """Before a forward: each leaf's .grad follows its parameter's (see Note [DTensor
-        parameters]); a parameter whose local storage was replaced is refused."""
+        parameters]); a parameter replaced in its module, or whose local storage was replaced,
+        is refused (the swap would otherwise put the old parameter back after the forward)."""
         for e in self.entries.values():
             with torch.no_grad():
                 local = e.param.to_local()
-            if local.data_ptr() != e.leaf.data_ptr() or local.shape != e.leaf.shape:
+            if (local.data_ptr() != e.leaf.data_ptr() or local.shape != e.leaf.shape
+                    or any(owner._parameters.get(attr) is not e.param
+                           for owner, attr in e.owners)):
                 raise FusedReducerError(
-                    f"FusedReducer: the local tensor of DTensor parameter '{e.name}' was replaced "
-                    "after wrapping (param.data = ..., load_state_dict(assign=True), or a new "
-                    "DTensor): the reducer still holds the old storage. Update parameters in "
-                    "place (load_state_dict without assign, param.copy_), or wrap the module again.")
+                    f"FusedReducer: DTensor parameter '{e.name}' or its local tensor was replaced "
+                    "after wrapping (param.data = ..., load_state_dict(assign=True), a new "
+                    "DTensor or Parameter set on the module): the reducer still holds the old "
+                    "storage. Update parameters in place (load_state_dict without assign, "
+                    "param.copy_), or wrap the module again.")
             grad = e.param.grad
             if grad is None:
                 e.leaf.grad = None

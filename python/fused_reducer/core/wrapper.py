@@ -4,6 +4,7 @@ Python does the once-per-construction and once-per-forward work (checks, broadca
 point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reducer.cpp).
 """
 import atexit
+import copy
 import functools
 import logging
 import math
@@ -30,7 +31,8 @@ from .comm_hooks import GradBucket, check_hook, run_hook
 from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .module_states import reduced_parameters, synced_states
 from .plugins import tool
-from .tensor_parallel import TensorParallelParameters, local_of
+from .tensor_parallel import (TensorParallelParameters, group_named, local_of,
+                              refuse_unpicklable_hooks)
 from .validation import (_buffer_sync_settings, _check_bucket_view_dtypes, _check_device_ids,
                          _control_device, _group_of, _health_settings, _one_communicator_backend,
                          _reduce_dtype_of, _refuse_compiled_autograd, _refuse_sparse_gradients,
@@ -296,20 +298,45 @@ class FusedReducer(nn.Module, Joinable):
             pass
 
     # -- pickling: like DDP, the process group and the reducer are not part of the pickle ------
-    def __getstate__(self):
+    def _copied_state(self):
+        """What a copy keeps (pickle, torch.save, copy.copy, copy.deepcopy): the settings in force;
+        not the group, the reducer and what depends on them (attached again at the first forward).
+        With DTensor parameters, the data-parallel group by name: see _reattach."""
         state = dict(self.__dict__)
         if state.get("_reducer") is not None:
             state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)
             state["_reduce_dtype"] = self.reduce_dtype
+            if self._has_tp:
+                state["_dp_group_name"] = self.process_group.group_name
         for transient in ("process_group", "_reducer", "_transport", "_tuner", "_control_device",
                           "_sharded_optimizer", "_arm", "_tp",
                           "_closed"):
             state[transient] = None
         return state
 
+    def __getstate__(self):
+        if self.__dict__.get("_has_tp"):
+            refuse_unpicklable_hooks(self.module)  # See Note [Copies of DTensor models]
+        return self._copied_state()
+
+    # copy.copy and copy.deepcopy as the default protocol does them (copy._reconstruct), with the
+    # state of _copied_state: they copy hooks by reference, so a model with torch's TP hooks,
+    # which pickle refuses, copies.
+    def __copy__(self):
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(self._copied_state())
+        return copied
+
+    def __deepcopy__(self, memo):
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self._copied_state(), memo))
+        return copied
+
     def __setstate__(self, state):
         super().__setstate__(state)
-        # Attached again (collectively) at the first forward, in the then default group.
+        # Attached again (collectively) at the first forward, in the then default group (with
+        # DTensor parameters: the data-parallel group it had, see _reattach).
 
     # -- the step ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -537,8 +564,11 @@ class FusedReducer(nn.Module, Joinable):
         return self._reducer
 
     def _reattach(self):
-        """After unpickling: attach to the default process group again (collective)."""
-        self.process_group = _resolve_group(None)
+        """After unpickling: attach to the default process group again (collective). A model
+        with DTensor parameters attaches to the data-parallel group it had, found by its name
+        as DeviceMesh finds its groups after unpickling: the default group holds its
+        tensor-parallel ranks too (Note [Copies of DTensor models])."""
+        self.process_group = _resolve_group(group_named(self.__dict__.get("_dp_group_name")))
         named = reduced_parameters(self.module)
         self._tp = TensorParallelParameters(self.module, named, self.process_group)
         self._has_tp = bool(self._tp)
