@@ -25,9 +25,9 @@ WIDTH = 8
 checks = SelectedChecks()
 
 
-def _layers(dtype=torch.float32):
+def _layers(dtype=torch.float32, n=4):
     torch.manual_seed(0)
-    return nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)).to(dtype)
+    return nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n)).to(dtype)
 
 
 def _data(dp, step, dtype=torch.float32):
@@ -51,8 +51,8 @@ class _Twice(nn.Module):
         return self.layers(self.layers(x))
 
 
-def _reference(steps, twice=False):
-    layers = _layers(torch.float64)
+def _reference(steps, twice=False, n_layers=4):
+    layers = _layers(torch.float64, n_layers)
     model = nn.Sequential(*(_Twice(layer) if twice else layer for layer in layers))
     for step in range(steps):
         xs, ys = zip(*(_data(d, step, torch.float64) for d in range(2)))
@@ -65,7 +65,7 @@ def _reference(steps, twice=False):
 
 
 def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, sharded=False,
-         **fr_kwargs):
+         n_layers=4, **fr_kwargs):
     """`sharded`: each stage's parameters stepped by a ShardedOptimizer (SGD) over the DP group,
     else one plain SGD."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,8 +74,8 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, sharded=F
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     n_stages = 2 * stages_per_rank
-    layers = _layers()
-    per_stage = 4 // n_stages
+    layers = _layers(n=n_layers)
+    per_stage = n_layers // n_stages
     # stage s on pp rank s % 2; V-shaped (ZBV): rank 0 holds stages 0 and 3, rank 1 1 and 2
     indices = ([pp, 3 - pp] if v_shape else [pp + 2 * i for i in range(stages_per_rank)])
     models, stages = [], []
@@ -109,7 +109,7 @@ def _run(schedule_name, stages_per_rank=1, v_shape=False, twice=False, sharded=F
         out["allreduces"].append([m.stats()["allreduces"] for _, m in models])
         for opt in opts:
             opt.step()
-    reference = _reference(STEPS, twice)
+    reference = _reference(STEPS, twice, n_layers)
     out["params"] = max(
         float((p.detach().double() - r).abs().max())
         for s, m in models
@@ -237,8 +237,9 @@ def check_zero_bubble_reduction_overlaps_the_last_weight_half(rank, world):
 
 
 def check_zero_bubble_with_find_unused_parameters(rank, world):
-    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, bucket_cap_mb=0.00002,
-                first_bucket_mb=0.00002, find_unused_parameters=True)
+    """Two layers per stage: two parameter groups in each weight half."""
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, n_layers=8,
+                bucket_cap_mb=0.00002, first_bucket_mb=0.00002, find_unused_parameters=True)
 
 
 def check_zero_bubble_with_each_weight_used_twice(rank, world):
