@@ -10,6 +10,8 @@ core/tensor_parallel.py):
 - several buckets, reduce_dtype, check_finite, a DDP comm hook and the ShardedOptimizer (its
   clip_grad_norm_ over the DP and TP shards) work as on a plain model; a LayerNorm left plain
   (not a DTensor) and two forwards before their backwards are exact too;
+- Megatron-style sequence parallelism (SequenceParallel LayerNorm, Shard(1) activations) is
+  exact, its replicated LayerNorm's Partial gradient summed over the TP ranks by DTensor;
 - a parameter sharded over the data-parallel dimension is refused naming it and FSDP;
 - copies (Note [Copies of DTensor models]): copy.deepcopy of the parallelize_module model, and
   pickle / torch.save / deepcopy of a block whose TP conversions are written in its forward, give
@@ -281,6 +283,53 @@ def check_several_forwards_before_backwards(rank, world):
     return out
 
 
+def check_sequence_parallel(rank, world):
+    """Megatron-style sequence parallelism: the LayerNorm under SequenceParallel (a replicated
+    parameter whose gradient comes out Partial over the TP ranks, each holding half of the
+    sequence), up ColwiseParallel from Shard(1), down RowwiseParallel back to Shard(1). Each TP
+    rank feeds its half of the tokens of the DP rank's sequences; the parameters after each step
+    and the norm from the copy against the float64 model on the whole global batch."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    mesh = _mesh()
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    tokens = 4
+    torch.manual_seed(0)
+    block = Block()
+    reference = copy.deepcopy(block).double()
+    parallelize_module(block, mesh["tp"], {
+        "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1))})
+    model = FusedReducer(block, device_mesh=mesh["dp"], bucket_cap_mb=0.0005,
+                         first_bucket_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+
+    def sequences(d, step):
+        g = torch.Generator().manual_seed(100 * step + d)
+        return torch.randn(ROWS, tokens, 8, generator=g)
+    out = {"params": [], "norm": [], "placements_kept": True}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        mine = sequences(dp, step)[:, tp * tokens // 2:(tp + 1) * tokens // 2]
+        (model(mine).pow(2).sum() / (ROWS * tokens * 8)).backward()
+        out["placements_kept"] &= all(p.grad.placements == p.placements
+                                      for p in block.parameters())
+        norm = float(model.grad_norm())
+        opt.step()
+        ref_opt.zero_grad()
+        everything = torch.cat([sequences(d, step) for d in range(2)]).double()
+        reference(everything).pow(2).mean().backward()
+        ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+        out["norm"].append(abs(norm - ref_norm) / ref_norm)
+        ref_opt.step()
+        out["params"].append(_max_diff(dict(block.named_parameters()),
+                                       dict(reference.named_parameters())))
+    out["buckets"] = len(model.bucket_sizes())
+    return out
+
+
 def check_parameter_sharded_over_dp_is_refused(rank, world):
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = _mesh()
@@ -526,6 +575,13 @@ def test_sharded_optimizer_with_dtensor_parameters_clips_by_the_global_norm(outc
 def test_tp_with_two_forwards_before_their_backwards(outcomes):
     for r in per_rank(outcomes, "check_several_forwards_before_backwards"):
         _assert_exact(r, "F1 F2 B1 B2")
+
+
+@checks.uses(check_sequence_parallel)
+def test_sequence_parallel_matches_float64_global_batch(outcomes):
+    for r in per_rank(outcomes, "check_sequence_parallel"):
+        assert max(r["params"]) < TOL and max(r["norm"]) < 1e-6, r
+        assert r["placements_kept"] and r["buckets"] > 1, r
 
 
 @checks.uses(check_parameter_sharded_over_dp_is_refused)
