@@ -3,7 +3,7 @@ driving stages whose modules are FusedReducers over the DP group, through
 fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x 2 DeviceMesh
 ("pp", "dp") of 4 gloo ranks. GPipe, 1F1B and Interleaved1F1B (two stages per rank) train exactly as
 a float64 single-process model on the global batch, with one reduction of each bucket per
-schedule step; so do the schedules that split the backward (ScheduleInterleavedZeroBubble,
+schedule step (and ScheduleLoopedBFS); so do the schedules that split the backward (ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble, ScheduleDualPipeV; Note [Split backward]), whose reduction overlaps the
 last weight half (with tensor-parallel stages: tests/test_3d_parallel.py).
 """
@@ -128,6 +128,10 @@ def check_1f1b(rank, world):
 
 def check_interleaved_1f1b(rank, world):
     return _run("ScheduleInterleaved1F1B", stages_per_rank=2)
+
+
+def check_looped_bfs(rank, world):
+    return _run("ScheduleLoopedBFS", stages_per_rank=2)
 
 
 def check_reduction_overlaps_the_last_backward(rank, world):
@@ -289,6 +293,11 @@ def test_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
 @checks.uses(check_interleaved_1f1b)
 def test_interleaved_1f1b_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_interleaved_1f1b"))
+
+
+@checks.uses(check_looped_bfs)
+def test_looped_bfs_is_exact_with_one_reduction_per_bucket(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_looped_bfs"))
 
 
 @checks.uses(check_reduction_overlaps_the_last_backward)
