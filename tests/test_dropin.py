@@ -5,9 +5,7 @@ Each check runs the same user loop under DDP and under FusedReducer on 2 gloo ra
 the differences; all checks share one spawn (a spawn costs seconds). Helpers and models:
 test_dropin_common.py (DROPIN_FR_IS_DDP=1 turns the FusedReducer side into DDP, to check the tests).
 """
-import copy
 import io
-import pickle
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from torch import nn
 from dist_utils import per_rank, run_checks
 from test_dropin_common import (
     BNNet, FR_IS_DDP, Frozen, Net, WRAP, assert_all_close, assert_close, build, buffers, data,
-    ddp, fused, grads, local_average_grads, loss_of, max_diff, outcome, params, same_on_all_ranks,
-    sgd, train)
+    ddp, fused, grads, local_average_grads, loss_of, max_diff, outcome, params, roundtrip,
+    same_on_all_ranks, sgd, train)
 
 
 # -- checks (run on every rank) --------------------------------------------------------------------
@@ -154,17 +152,6 @@ def check_module_methods_behave_as_on_ddp(rank, world):
     for what in ("params", "buffers"):
         out[f"{what}_diff"] = max_diff(out["ddp"].pop(what), out["fr"].pop(what))
     return out
-
-
-def roundtrip(model, how):
-    if how == "torch.save":
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
-    if how == "pickle":
-        return pickle.loads(pickle.dumps(model))
-    return copy.deepcopy(model)
 
 
 def check_pickled_copies_train_like_ddp(rank, world):

@@ -278,6 +278,21 @@ def local_average_grads(model_state, cls, rank, i, micro=0, dtype=torch.float32,
     return out
 
 
+def roundtrip(model, how):
+    """A copy of `model` made by `how`: "torch.save" (and torch.load), "pickle" or "deepcopy"."""
+    import copy
+    import io
+    import pickle
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    return copy.deepcopy(model)
+
+
 def outcome(fn):
     """("ok", result), or ("raised", type name, message, is RuntimeError, is ValueError)."""
     try:

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from behaviour_common import fused
 from dist_utils import SelectedChecks, assert_small, per_rank, results
 from test_dropin_common import (Net, build, data, loss_of, max_diff, outcome, params,
-                                same_on_all_ranks, sgd)
+                                roundtrip, same_on_all_ranks, sgd)
 
 
 FIRST, CAP, LAST = 3 << 10, 7 << 10, 5 << 10  # three distinct, non-default values
@@ -29,20 +29,6 @@ FIRST, CAP, LAST = 3 << 10, 7 << 10, 5 << 10  # three distinct, non-default valu
 def check_pickled_copies(rank, world):
     """torch.save / pickle / deepcopy of a trained FusedReducer: the copy loads with equal
     parameters and trains like a copy of DDP, its parameters equal on every rank."""
-    import copy
-    import io
-    import pickle
-
-    def roundtrip(model, how):
-        if how == "torch.save":
-            buf = io.BytesIO()
-            torch.save(model, buf)
-            buf.seek(0)
-            return torch.load(buf, weights_only=False)
-        if how == "pickle":
-            return pickle.loads(pickle.dumps(model))
-        return copy.deepcopy(model)
-
     originals = {"ddp": DDP(build(Net)), "fr": fused(build(Net))}
     for kind, m in originals.items():
         opt = sgd(m)

@@ -24,7 +24,6 @@ core/tensor_parallel.py):
   the eager run's) and the forward captured in a graph.
 """
 import copy
-import io
 import pickle
 
 import pytest
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fused_reducer import FusedReducer, FusedReducerError
 from dist_utils import SelectedChecks, per_rank
+from test_dropin_common import roundtrip
 
 WORLD = 4
 STEPS = 3
@@ -358,17 +358,6 @@ def _sgd_steps(model, mesh, steps):
     return kept
 
 
-def _roundtrip(model, how):
-    if how == "torch.save":
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
-    if how == "pickle":
-        return pickle.loads(pickle.dumps(model))
-    return copy.deepcopy(model)
-
-
 def _placements(module):
     return {n: tuple(getattr(p, "placements", ())) for n, p in module.named_parameters()}
 
@@ -390,7 +379,7 @@ def check_copies_train_on_exactly(rank, world):
         _sgd_steps(model, mesh, [0])
         for how in ("torch.save", "pickle", "deepcopy"):
             try:
-                c = _roundtrip(model, how)
+                c = roundtrip(model, how)
             except FusedReducerError as e:
                 out[kind, how] = str(e)
                 continue
