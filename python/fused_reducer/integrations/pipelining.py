@@ -51,8 +51,8 @@ this stage runs the halves itself:
   the summed gradients. The schedule's scaling follows at REDUCE_GRAD.
 - With find_unused_parameters the end of each group's backward would decide the later groups'
   parameters unused, so the last weight half also runs inside no_sync(), and REDUCE_GRAD
-  reduces once through a backward of zeros into every leaf (each gradient hook fires once, on
-  the accumulated gradient): exact, but not overlapped.
+  reduces once through a backward of zeros into the reducer's leaves (each gradient hook fires
+  once, on the accumulated gradient): exact, but not overlapped.
 - A first stage has no input half (torch runs its whole backward at the weight action, a "full"
   backward): it reduces in its last backward as under 1F1B.
 """
@@ -91,11 +91,11 @@ class PipelineStage(_TorchPipelineStage):
         if backward_type == "weight":
             reduce = last_backward and not self.submod.find_unused_parameters
             self._weight_half(bwd_kwargs["param_groups"], reduce)
-            self._weights_by_hand = not reduce  # not yet reduced: REDUCE_GRAD will
+            self._unreduced_weights = not reduce  # REDUCE_GRAD reduces them
             return (), None
         if last_backward:
             self.submod.prepare_for_backward()
-            self._weights_by_hand = False  # this backward reduces them too
+            self._unreduced_weights = False  # this backward reduces them too
             guard = contextlib.nullcontext()
         else:
             guard = self.submod.no_sync()
@@ -129,13 +129,13 @@ class PipelineStage(_TorchPipelineStage):
         optimizer.divide_gradients(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor):
-        if isinstance(self.submod, FusedReducer) and self.__dict__.get("_weights_by_hand"):
-            self._weights_by_hand = False
+        if isinstance(self.submod, FusedReducer) and self.__dict__.get("_unreduced_weights"):
+            self._unreduced_weights = False
             # See Note [Split backward]: a backward of zeros fires every gradient hook once.
-            leaves = self.submod._attachment.autograd_leaves[::-1]
+            reduced = self.submod._attachment.params[::-1]
             self.submod.prepare_for_backward()
-            torch.autograd.backward(leaves, grad_tensors=[t.new_zeros(()).expand_as(t)
-                                                          for t in leaves])
+            torch.autograd.backward(reduced, grad_tensors=[t.new_zeros(()).expand_as(t)
+                                                           for t in reduced])
             self.submod._attachment.publish_gradients()
         super().perform_reduce_grad(grad_scale_factor)
 
@@ -151,11 +151,12 @@ def _group_backward(group, weights):
     intermediates, accumulated into `weights` (their .grad) by autograd."""
     intermediates = group.pop("intermediates")
     saved = group.pop("grads", None) or [()] * len(intermediates)
+    # None where no gradient reached an intermediate in the input half.
     roots = [GradientEdge(node, i) for node, grads in zip(intermediates, saved)
-             for i, grad in enumerate(grads) if grad is not None]
+             for i, grad in enumerate(grads or ()) if grad is not None]
     if not roots:
         return
-    root_grads = [grad for grads in saved for grad in grads if grad is not None]
+    root_grads = [grad for grads in saved for grad in grads or () if grad is not None]
     # Each intermediate gets its saved gradient only, not one more through another intermediate.
     clamps = ([node.register_prehook(lambda _, grads=grads: grads)
                for node, grads in zip(intermediates, saved)] if len(intermediates) > 1 else [])
