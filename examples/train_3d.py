@@ -1,15 +1,17 @@
 """3-D parallel training with FusedReducer as the data-parallel dimension: tensor parallel
-(DTensor, parallelize_module) x pipeline parallel (torch.distributed.pipelining, Schedule1F1B) x
-data parallel (FusedReducer over mesh["dp"]). Each pipeline stage is a small transformer block
+(DTensor, parallelize_module) x pipeline parallel (torch.distributed.pipelining: Schedule1F1B, or
+ScheduleInterleavedZeroBubble with two stages per rank) x data parallel (FusedReducer over
+mesh["dp"]). Each pipeline stage is a small transformer block
 (causal self-attention with q/k/v ColwiseParallel and the output RowwiseParallel, an MLP
 ColwiseParallel + RowwiseParallel, two LayerNorms).
 
     torchrun --nproc-per-node 8 examples/train_3d.py                  # CPU, gloo: TP=2 x PP=2 x DP=2
     torchrun --nproc-per-node 8 examples/train_3d.py --device cuda    # one GPU per rank, NCCL
     torchrun --nproc-per-node 4 examples/train_3d.py --tp 2 --pp 2    # DP=1: no data parallelism
+    torchrun --nproc-per-node 8 examples/train_3d.py --schedule zero-bubble  # split backward
 
 World size = tp x pp x dp. Prints, on rank 0, the loss of each step, the bucket layout of its
-stage and the reductions per step (one per bucket and step: the stage is driven by
+stages and the reductions per step (one per bucket and step: each stage is driven by
 fused_reducer.pipelining.PipelineStage). tests/test_3d_parallel.py checks this set-up against a
 float64 single-process model.
 """
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import Schedule1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleavedZeroBubble
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fused_reducer import FusedReducer
@@ -70,13 +72,16 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank and step")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedule", choices=("1f1b", "zero-bubble"), default="1f1b",
+                        help="zero-bubble: ScheduleInterleavedZeroBubble, two stages (blocks) per "
+                             "pp rank, each backward split into an input and a weight half")
     return parser.parse_args(argv)
 
 
 def train(args):
     """The job, on every rank (the default process group, if not yet there, from torchrun's
-    environment). Returns this rank's all-reduces per step, its stage's bucket count and, on the
-    last stage, the mean loss of each step."""
+    environment). Returns this rank's all-reduces per step and bucket count (its stages'
+    together) and, on the rank of the last stage, the mean loss of each step."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     if world % (args.tp * args.pp):
         raise SystemExit(f"train_3d: world size {world} is not a multiple of tp x pp = "
@@ -90,18 +95,26 @@ def train(args):
     # The mesh: TP innermost (fastest links), then DP, then PP.
     mesh = init_device_mesh(args.device, (args.pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    torch.manual_seed(pp_rank)  # stage s: the same initial block on every TP and DP rank
-    block = Block(args.dim, args.heads).to(device)
-    parallelize_module(block, mesh["tp"], TP_PLAN)
-    model = FusedReducer(block, device_mesh=mesh["dp"])
+    per_rank = 2 if args.schedule == "zero-bubble" else 1
+    n_stages = args.pp * per_rank
     micro = torch.zeros(args.batch // args.microbatches, args.tokens, args.dim, device=device)
-    stage = PipelineStage(model, pp_rank, args.pp, device, group=mesh["pp"].get_group(),
-                          input_args=(micro.clone().requires_grad_(pp_rank > 0),),
-                          output_args=(micro.clone().requires_grad_(),))
+    models, stages = [], []
+    for stage_index in range(pp_rank, n_stages, args.pp):  # interleaved: pp_rank, pp_rank + pp
+        torch.manual_seed(stage_index)  # the same initial block on every TP and DP rank
+        block = Block(args.dim, args.heads).to(device)
+        parallelize_module(block, mesh["tp"], TP_PLAN)
+        models.append(FusedReducer(block, device_mesh=mesh["dp"]))
+        stages.append(PipelineStage(models[-1], stage_index, n_stages, device,
+                                    group=mesh["pp"].get_group(),
+                                    input_args=(micro.clone().requires_grad_(stage_index > 0),),
+                                    output_args=(micro.clone().requires_grad_(),)))
     losses = []
-    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches,
-                            loss_fn=lambda out, y: (out - y).pow(2).mean())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # DTensor parameters
+    loss_fn = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
+    schedule = (Schedule1F1B(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
+                if per_rank == 1 else
+                ScheduleInterleavedZeroBubble(stages, n_microbatches=args.microbatches,
+                                              loss_fn=loss_fn))
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)  # DTensors
 
     out = {"allreduces": [], "losses": []}
     for step in range(args.steps):
@@ -118,19 +131,21 @@ def train(args):
             schedule.step()
         opt.step()
         ms = 1e3 * (time.perf_counter() - start)
-        out["allreduces"].append(model.stats()["allreduces"])
+        out["allreduces"].append(sum(m.stats()["allreduces"] for m in models))
         if pp_rank == args.pp - 1:
             out["losses"].append(sum(l.item() for l in losses[-args.microbatches:])
                                  / args.microbatches)
             if dp_rank == 0 and mesh["tp"].get_local_rank() == 0:
                 print(f"step {step}: loss {out['losses'][-1]:.4f} (DP rank 0's rows), {ms:.1f} "
-                      f"ms; stage {pp_rank}: {out['allreduces'][-1]} all-reduces for "
-                      f"{len(model.bucket_sizes())} buckets", flush=True)
+                      f"ms; this rank's {len(models)} stage(s): {out['allreduces'][-1]} "
+                      f"all-reduces for {sum(len(m.bucket_sizes()) for m in models)} buckets",
+                      flush=True)
     if dist.get_rank() == 0:
-        print(f"mesh pp={args.pp} x dp={dp} x tp={args.tp}; stage 0 buckets (bytes, local "
-              f"shards): {model.bucket_sizes()}", flush=True)
-    out["buckets"] = len(model.bucket_sizes())
-    model.close()
+        print(f"mesh pp={args.pp} x dp={dp} x tp={args.tp}, {args.schedule}; stage 0 buckets "
+              f"(bytes, local shards): {models[0].bucket_sizes()}", flush=True)
+    out["buckets"] = sum(len(m.bucket_sizes()) for m in models)
+    for model in models:
+        model.close()
     return out
 
 

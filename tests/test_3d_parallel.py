@@ -261,16 +261,21 @@ def check_tp_dp_autotune_true(rank, world):
 
 
 def check_example_runs(rank, world):
-    """examples/train_3d.py's train() on these 8 ranks (its defaults: TP=2 x PP=2 x DP=2), tiny."""
+    """examples/train_3d.py's train() on these 8 ranks (its defaults: TP=2 x PP=2 x DP=2), tiny,
+    under Schedule1F1B and (two stages per rank) ScheduleInterleavedZeroBubble."""
     import math
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "examples"))
     import train_3d
-    out = train_3d.train(train_3d.parse_args(["--dim", "16", "--heads", "2", "--tokens", "4",
-                                              "--batch", "4", "--steps", "2"]))
-    out["finite"] = all(math.isfinite(l) for l in out["losses"])
-    return out
+    runs = {}
+    for schedule in ("1f1b", "zero-bubble"):
+        out = train_3d.train(train_3d.parse_args(["--dim", "16", "--heads", "2", "--tokens", "4",
+                                                  "--batch", "4", "--steps", "2",
+                                                  "--schedule", schedule]))
+        out["finite"] = all(math.isfinite(l) for l in out["losses"])
+        runs[schedule] = out
+    return runs
 
 
 outcomes = checks.fixture(world_size=WORLD, timeout=240)
@@ -340,7 +345,9 @@ def test_tp_dp_autotune_true_tunes_on_the_dp_group_and_stays_exact(outcomes):
 
 @checks.uses(check_example_runs)
 def test_the_3d_example_trains_with_one_all_reduce_per_bucket_and_step(outcomes):
-    results = per_rank(outcomes, "check_example_runs")
-    for r in results:
-        assert r["allreduces"] == [r["buckets"]] * 2 and r["finite"], r
-    assert sum(len(r["losses"]) for r in results) == 4 * 2  # the last stage's 4 ranks, 2 steps
+    for schedule in ("1f1b", "zero-bubble"):
+        results = [r[schedule] for r in per_rank(outcomes, "check_example_runs")]
+        for r in results:
+            assert r["allreduces"] == [r["buckets"]] * 2 and r["finite"], (schedule, r)
+        # the ranks of the last stage (4), 2 steps
+        assert sum(len(r["losses"]) for r in results) == 4 * 2, (schedule, results)
