@@ -260,6 +260,12 @@ def check_sharded_optimizer_under_zero_bubble(rank, world):
                 bucket_cap_mb=0.00002, first_bucket_mb=0.00002)
 
 
+def check_zero_bubble_with_gradients_as_bucket_views(rank, world):
+    """The weight halves accumulate into param.grad that views its bucket slot."""
+    return _run("ScheduleInterleavedZeroBubble", stages_per_rank=2, n_layers=8,
+                bucket_cap_mb=0.00002, first_bucket_mb=0.00002, gradient_as_bucket_view=True)
+
+
 def check_dualpipev(rank, world):
     return _run("ScheduleDualPipeV", stages_per_rank=2, v_shape=True, bucket_cap_mb=0.00002,
                 first_bucket_mb=0.00002)
@@ -349,6 +355,11 @@ def test_sharded_optimizer_under_1f1b_is_exact_with_one_reduction_per_bucket(out
 @checks.uses(check_sharded_optimizer_under_zero_bubble)
 def test_sharded_optimizer_under_zero_bubble_is_exact_with_one_reduction_per_bucket(outcomes):
     _assert_exact_once_per_step(per_rank(outcomes, "check_sharded_optimizer_under_zero_bubble"))
+
+
+@checks.uses(check_zero_bubble_with_gradients_as_bucket_views)
+def test_zero_bubble_with_gradients_as_bucket_views_is_exact(outcomes):
+    _assert_exact_once_per_step(per_rank(outcomes, "check_zero_bubble_with_gradients_as_bucket_views"))
 
 
 @checks.uses(check_dualpipev)
