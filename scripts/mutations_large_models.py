@@ -9,6 +9,7 @@ tests/test_pipeline_parallel.py and tests/test_3d_parallel.py.
 TP_PY = "python/fused_reducer/core/tensor_parallel.py"
 WRAPPER_PY = "python/fused_reducer/core/wrapper.py"
 PIPELINING_PY = "python/fused_reducer/integrations/pipelining.py"
+AUTOTUNE_PY = "python/fused_reducer/tuning/autotune.py"
 TP = "tests/test_tensor_parallel.py::"
 FB = "tests/test_forwards_before_backwards.py::"
 PP = "tests/test_pipeline_parallel.py::"
@@ -115,5 +116,15 @@ MUTATIONS = [
         why="a pipeline schedule's scaling by microbatches divides param.grad, which a "
             "ShardedOptimizer has released (a placeholder): every step of PP with ZeRO-1 fails",
         tests=[PP + "test_sharded_optimizer_under_1f1b_is_exact_with_one_reduction_per_bucket"],
+    ),
+    dict(
+        id="autotune-predictions-anchored-on-the-reduced-backward",
+        file=AUTOTUNE_PY,
+        edits=[("        observed_ms = _observed_step_ms(history, last_step_ms)",
+                "        observed_ms = (last[\"finalize_end_us\"] - last[\"forward_us\"]) / 1e3 if last else 0.0")],
+        why="autotune's predicted step times are anchored on the recorded forward-to-written-back "
+            "span, which for a pipeline stage is the reduced last microbatch's backward only: "
+            "its predictions read 6x below the schedule steps the trials measure",
+        tests=[D3 + "test_autotune_on_a_pipeline_stage_measures_and_stays_exact"],
     ),
 ]

@@ -331,6 +331,10 @@ def test_autotune_on_a_pipeline_stage_measures_and_stays_exact(outcomes):
         assert r["reductions"] == [1] * 6, r
         assert r["report"]["done"], r["report"]
         assert len(r["report"]["trials"]) == 2, r["report"]
+        # Predictions read like the measured schedule steps (the whole step, forward to
+        # forward), not like the reduced last microbatch's backward alone (6x below them).
+        for trial in r["report"]["trials"]:
+            assert 0.5 < trial["predicted_ms"] / trial["step_ms"] < 2, trial
 
 
 @checks.uses(check_tp_dp_autotune_true)

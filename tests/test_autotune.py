@@ -565,7 +565,7 @@ def _one_trial_samples(monkeypatch, device, steps=3):
     tuner = autotune.Autotuner(model, round_steps=(steps,), min_steps=1)
     model._reducer.steps = 1  # a backward completed before tuning starts
 
-    def plan():  # only the incumbent: no probe, no collectives
+    def plan(last_step_ms=None):  # only the incumbent: no probe, no collectives
         tuner.incumbent = tuner.current = autotune.candidate(model.bucket_caps_bytes,
                                                              model.last_bucket_bytes)
         tuner.plan = [{"candidate": list(tuner.incumbent), "predicted_ms": 0.0,

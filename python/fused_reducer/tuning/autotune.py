@@ -234,11 +234,15 @@ class Autotuner:
         completed = self.model._attachment.reducer.completed_steps()
         if self.state == "waiting":
             if completed >= self.min_steps:
-                self._make_plan()
+                # The last step, forward to forward, as a trial would have measured it.
+                last_step = (self.clock.elapsed_ms(self.last_forward, now)
+                             if self.last_completed is not None
+                             and completed == self.last_completed + 1 else None)
+                self._make_plan(last_step)
                 self.state = "measuring"
                 self._next_trial()
-                self.last_forward, self.last_completed = now, completed
                 self.steps_used = 1
+            self.last_forward, self.last_completed = now, completed
             return
         # state == "measuring": the interval since the last forward was one step of `current`.
         sample = (self.last_forward, now) if completed == self.last_completed + 1 else None
@@ -254,7 +258,7 @@ class Autotuner:
             self.steps_used += 1  # the step starting now is a tuning step
 
     # -- planning ------------------------------------------------------------------------------
-    def _make_plan(self):
+    def _make_plan(self, last_step_ms=None):
         model = self.model
         reducer = model._attachment.reducer
         self.incumbent = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
@@ -264,7 +268,7 @@ class Autotuner:
         plan = None
         if self.rank == 0:
             try:
-                plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us)
+                plan = self._rank0_plan(info, reducer, latency_us, bytes_per_us, last_step_ms)
             except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they wait
                 plan = {"error": f"{type(e).__name__}: {e}"}
         box = [plan]
@@ -287,7 +291,7 @@ class Autotuner:
                   self.rank, self.considered,
                   [(t["candidate"], round(t["predicted_ms"], 2)) for t in self.plan], self.model_info)
 
-    def _rank0_plan(self, info, reducer, latency_us, bytes_per_us):
+    def _rank0_plan(self, info, reducer, latency_us, bytes_per_us, last_step_ms=None):
         order = list(reducer.last_ready_order())
         ready = list(reducer.last_ready_times())
         history = reducer.history()
@@ -308,10 +312,10 @@ class Autotuner:
         for candidate in grid:  # one representative per distinct layout; the incumbent's wins,
             key = info.layout(order, candidate)  # then the hint's
             layouts.setdefault(key, candidate)
-        # Predictions are offsets from the step observed with the layout in force (forward start
-        # to gradients written back), so that they read like measured step times.
+        # Predictions are offsets from the step observed with the layout in force, so that they
+        # read like measured step times.
         current = tuple(tuple(b) for b in reducer.bucket_params())
-        observed_ms = (last["finalize_end_us"] - last["forward_us"]) / 1e3 if last else 0.0
+        observed_ms = _observed_step_ms(history, last_step_ms)
         base = [observed_ms - t / 1e3 for t in cost.predict_us(current, info.sizes, ready,
                                                                 backward_end)]
         rows = {}
@@ -484,3 +488,19 @@ class Autotuner:
 
 
 provide("autotuner", Autotuner)  # FusedReducer's hook point: see core/plugins.py
+
+
+def _observed_step_ms(history, last_step_ms=None):
+    """The step of the layout in force as the trials measure theirs, forward to forward (the
+    optimizer and data included; under a pipeline schedule the whole schedule step, not only its
+    reduced backward, the last microbatch's): the median period between consecutive recorded
+    steps, else `last_step_ms` (the tuner's own measure of the step before planning), else the
+    last step's forward start to gradients written back; 0 without any."""
+    periods = [(b["origin_us"] + b["forward_us"] - a["origin_us"] - a["forward_us"]) / 1e3
+               for a, b in zip(history, history[1:]) if b["step"] == a["step"] + 1]
+    if periods:
+        return statistics.median(periods)
+    if last_step_ms is not None:
+        return last_step_ms
+    last = history[-1] if history else None
+    return (last["finalize_end_us"] - last["forward_us"]) / 1e3 if last else 0.0
