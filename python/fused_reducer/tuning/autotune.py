@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.plugins import provide
-from .costmodel import CostModel, ParamInfo, candidate, candidate_grid, caps_of, limits_json
+from .costmodel import (CostModel, ParamInfo, candidate, candidate_grid, caps_of, limits_json,
+                        step_periods)
 from .probe import probe_transport
 from ..transports.transport import control_allreduce
 
@@ -496,10 +497,9 @@ def _observed_step_ms(history, last_step_ms=None):
     reduced backward, the last microbatch's): the median period between consecutive recorded
     steps, else `last_step_ms` (the tuner's own measure of the step before planning), else the
     last step's forward start to gradients written back; 0 without any."""
-    periods = [(b["origin_us"] + b["forward_us"] - a["origin_us"] - a["forward_us"]) / 1e3
-               for a, b in zip(history, history[1:]) if b["step"] == a["step"] + 1]
+    periods = [period for _, period in step_periods(history)]
     if periods:
-        return statistics.median(periods)
+        return statistics.median(periods) / 1e3
     if last_step_ms is not None:
         return last_step_ms
     last = history[-1] if history else None

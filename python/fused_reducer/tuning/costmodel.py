@@ -394,6 +394,14 @@ class CostModel:
 
 
 # -- the step -------------------------------------------------------------------------------------
+def step_periods(history):
+    """(record, forward-to-forward period in us) for each recorded step followed by the next
+    step (reducer.history() records; consecutive step numbers only: a no_sync step in between
+    would count in the period)."""
+    return [(a, b["origin_us"] + b["forward_us"] - a["origin_us"] - a["forward_us"])
+            for a, b in zip(history, history[1:]) if b["step"] == a["step"] + 1]
+
+
 class StepCompute:
     """The compute side of one training step, from a recorded profile (microseconds):
     forward_us: forward start -> first gradient ready; ready_us: per parameter, after the first

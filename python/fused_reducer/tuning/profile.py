@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.plugins import provide
-from .costmodel import ParamInfo, candidate, limits_json
+from .costmodel import ParamInfo, candidate, limits_json, step_periods
 from .probe import probe_transport
 from ..settings import MAX_BYTES
 
@@ -131,15 +131,10 @@ def _step_phases(history):
     backward = [s["backward_end_us"] for s in history]
     finalize = [max(0.0, s["finalize_end_us"] - s["backward_end_us"] - s["exposed_wait_us"])
                 for s in history]
-    # The rest of the step lies between one step's end and the next forward; consecutive
-    # records only (a no_sync step in between would count as "rest").
-    other, period = [], []
-    for a, b in zip(history, history[1:]):
-        if b["step"] == a["step"] + 1:
-            start_a = a["origin_us"] + a["forward_us"]
-            start_b = b["origin_us"] + b["forward_us"]
-            period.append(start_b - start_a)
-            other.append(max(0.0, period[-1] - (a["finalize_end_us"] - a["forward_us"])))
+    # The rest of the step lies between one step's end and the next forward.
+    periods = step_periods(history)
+    period = [p for _, p in periods]
+    other = [max(0.0, p - (a["finalize_end_us"] - a["forward_us"])) for a, p in periods]
     packed = [(b["bytes"], b["pack_us"]) for s in history for b in s["buckets"]
               if b["pack_us"] is not None and b["pack_us"] > 0]
     copy_GBps = (sum(n for n, _ in packed) / sum(t for _, t in packed) / 1e3) if packed else 10.0
