@@ -92,7 +92,8 @@ MUTATIONS = [
     dict(
         id="split-backward-input-half-given-the-dtensor-parameters",
         file=PIPELINING_PY,
-        edits=[("iter(self.submod._attachment.autograd_leaves))", "self.submod.parameters())")],
+        edits=[('bwd_kwargs["input_values"], iter(leaves))',
+                'bwd_kwargs["input_values"], self.submod.parameters())')],
         why="torch's input half is given the module's DTensor parameters, whose gradient "
             "accumulators are not in the graph (it holds FusedReducer's plain leaves): the "
             "tensor-parallel weights of a split stage get no gradient at all",
@@ -101,8 +102,8 @@ MUTATIONS = [
     dict(
         id="split-backward-dtensor-grads-not-republished",
         file=PIPELINING_PY,
-        edits=[("        self.submod._attachment.publish_gradients()\n\n    def scale_grads",
-                "\n    def scale_grads")],
+        edits=[("        self.submod._attachment.publish_gradients()\n\n    def _leaves",
+                "\n    def _leaves")],
         why="after a weight half the DTensor parameters' .grad still views the old (or no) "
             "local gradient: the next forward's hand-over back to the leaves drops what the "
             "weight halves accumulated",

@@ -85,9 +85,9 @@ class PipelineStage(_TorchPipelineStage):
         if not isinstance(self.submod, FusedReducer):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "input":  # See Note [Split backward]
+            leaves, _ = self._leaves()
             return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                        bwd_kwargs["input_values"],
-                                        iter(self.submod._attachment.autograd_leaves))
+                                        bwd_kwargs["input_values"], iter(leaves))
         if backward_type == "weight":
             reduce = last_backward and not self.submod.find_unused_parameters
             self._weight_half(bwd_kwargs["param_groups"], reduce)
@@ -107,9 +107,7 @@ class PipelineStage(_TorchPipelineStage):
         """One microbatch's weight half: each parameter group's gradients accumulated through
         the gradient accumulators, last layer first, inside no_sync() or, when `reduce` (the
         step's last weight half), reduced as they land. See Note [Split backward]."""
-        leaves = self.submod._attachment.autograd_leaves
-        by_accumulator = {_gradient_accumulator(t): (position, t)
-                          for position, t in enumerate(leaves)}
+        _, by_accumulator = self._leaves()
         groups = [(max(by_accumulator[node][0] for node in group["params"]), group)
                   for group in param_groups or ()]
         if reduce:
@@ -118,6 +116,20 @@ class PipelineStage(_TorchPipelineStage):
             for _, group in sorted(groups, key=lambda item: -item[0]):  # the last layer's first
                 _group_backward(group, [by_accumulator[node][1] for node in group["params"]])
         self.submod._attachment.publish_gradients()
+
+    def _leaves(self):
+        """The stage module's autograd leaves and {their AccumulateGrad node: (position, leaf)},
+        found once per attachment of its FusedReducer (not per microbatch: a node is looked up
+        through a view of its leaf; the reducer keeps the nodes alive)."""
+        attachment = self.submod._attachment
+        key = id(attachment.reducer)  # a new one after re-attaching: new leaves
+        cached = self.__dict__.get("_leaves_cache")
+        if cached is None or cached[0] != key:
+            leaves = attachment.autograd_leaves
+            cached = (key, leaves, {_gradient_accumulator(t): (position, t)
+                                    for position, t in enumerate(leaves)})
+            self._leaves_cache = cached
+        return cached[1], cached[2]
 
     def scale_grads(self, grad_scale_factor):
         """torch's scaling by the number of microbatches, on param.grad; with a ShardedOptimizer
