@@ -960,6 +960,44 @@ MUTATIONS = [
             "silently, as in DDP",
         tests=["tests/test_health.py::test_a_nonfinite_local_gradient_is_named_on_every_rank_then_training_goes_on_as_ddp[world2]"],
     ),
+    dict(
+        id="second-backward-of-one-forward-stays-local",
+        file=REDUCER_PY,
+        edits=[("            if synced and (first[0] or wrapper._syncing):",
+                "            if synced and first[0]:")],
+        why="backward(retain_graph=True) twice after one forward: the second backward is not "
+            "reduced, as under DDP, so param.grad = avg(g) + local g differs across ranks and the "
+            "replicas diverge silently",
+        tests=["tests/test_errors.py::test_second_backward_of_one_forward_is_averaged_unless_inside_no_sync",
+               ROUTE + "test_prepare_for_backward_averages_one_more_backward_of_the_same_forward"],
+    ),
+    dict(
+        id="second-backward-inside-no-sync-reduced",
+        file=REDUCER_PY,
+        edits=[("            if synced and (first[0] or wrapper._syncing):",
+                "            if synced:")],
+        why="a second backward of one forward run inside no_sync() is reduced anyway: the "
+            "gradient the user asked to keep local is averaged",
+        tests=["tests/test_errors.py::test_second_backward_of_one_forward_is_averaged_unless_inside_no_sync",
+               ROUTE + "test_prepare_for_backward_averages_one_more_backward_of_the_same_forward"],
+    ),
+    dict(
+        id="model-wrapped-twice-accepted",
+        file=REDUCER_PY,
+        edits=[("        _refuse_wrapped_twice(module, FusedReducer)\n", "")],
+        why="FusedReducer(FusedReducer(m)) or FusedReducer(DDP(m)) is accepted: each wrapper "
+            "reduces every gradient, twice the traffic per step, no word",
+        tests=["tests/test_errors.py::test_a_model_wrapped_twice_is_refused_naming_the_inner_wrapper"],
+    ),
+    dict(
+        id="model-wrapped-twice-seen-only-at-the-root",
+        file=VALIDATION_PY,
+        edits=[("    for name, sub in module.named_modules():\n        if isinstance(sub, (wrapper_class,",
+                "    for name, sub in [('', module)]:\n        if isinstance(sub, (wrapper_class,")],
+        why="a FusedReducer inside a submodule of the wrapped model is not seen: its gradients are "
+            "reduced twice",
+        tests=["tests/test_errors.py::test_a_model_wrapped_twice_is_refused_naming_the_inner_wrapper"],
+    ),
 ]
 
 # Entries kept by area, one file each (same format).

@@ -296,11 +296,18 @@ COVERAGE = {
         "test_no_sync.py::test_usage_inside_no_sync_counts_for_find_unused_parameters",
         "test_unused_parameters.py::test_find_unused_parameters_runs_ddps_collectives",
     ],
-    "a backward that no synchronised forward armed (the wrapped module called directly, a second "
-    "backward of one graph) stays local": [
+    "a backward through the wrapped module called directly stays local": [
         "test_gradient_route.py::test_backward_of_the_inner_module_stays_local",
-        "test_errors.py::test_second_backward_of_one_forward_stays_local_like_ddp_then_training_recovers",
         "test_dropin_behaviours.py::test_backward_through_inner_module_after_training_is_local_and_does_not_raise",
+    ],
+    "a second backward of one forward (`backward(retain_graph=True)` twice, or a backward per "
+    "output)": [
+        "test_errors.py::test_second_backward_of_one_forward_is_averaged_unless_inside_no_sync",
+        "test_gradient_route.py::test_prepare_for_backward_averages_one_more_backward_of_the_same_forward",
+    ],
+    "a model wrapped twice (`FusedReducer(FusedReducer(m))`, `FusedReducer(DDP(m))`, a wrapper in a "
+    "submodule)": [
+        "test_errors.py::test_a_model_wrapped_twice_is_refused_naming_the_inner_wrapper",
     ],
     "`no_sync()` nests (leaving it restores the previous setting, also when its body raises)": [
         "test_exactness.py::test_no_sync_nests_like_ddp_and_restores_the_previous_setting_when_the_body_raises",

@@ -193,19 +193,29 @@ def check_unused_without_find_unused(rank, world_size):
 
 
 def check_ready_twice(rank, world_size):
+    """One forward, backward(retain_graph=True) twice: both backwards are averaged (DDP keeps the
+    second local and the ranks silently diverge); inside no_sync() a third stays local."""
     torch.manual_seed(0)
     model = FusedReducer(small_model())
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
-    loss = model(x).sum()
+    loss = model(x).sum() * (1 + rank)  # local gradients 1x and 2x: a local second shows
     loss.backward(retain_graph=True)
-    averaged = [p.grad.clone() for p in model.module.parameters()]
-    twice = outcome(lambda: loss.backward())
-    # Like DDP, a backward that no FusedReducer.forward armed stays local: grad = average + local.
+    twice = outcome(lambda: loss.backward(retain_graph=True))
+    after_two = [p.grad.clone() for p in model.module.parameters()]
+    with model.no_sync():
+        loss.backward()
+    # Reference: the local gradient of one backward, summed over ranks in float64 (all_reduce).
     local = small_model()
     local.load_state_dict(model.module.state_dict())
-    local(x).sum().backward()
-    second = max((p.grad - a - q.grad).abs().max().item() if twice[0] == "ok" else float("inf")
-                 for p, a, q in zip(model.module.parameters(), averaged, local.parameters()))
+    (local(x).sum() * (1 + rank)).backward()
+    second, third = 0.0, 0.0
+    for p, two, q in zip(model.module.parameters(), after_two, local.parameters()):
+        g = q.grad.double()
+        averaged = g.clone()
+        dist.all_reduce(averaged)
+        averaged /= world_size
+        second = max(second, (two.double() - 2 * averaged).abs().max().item())
+        third = max(third, (p.grad.double() - 2 * averaged - g).abs().max().item())
     # Afterwards a normal step still averages correctly (reference: plain all_reduce in float64).
     model.zero_grad(set_to_none=True)
     reference = small_model()
@@ -217,7 +227,19 @@ def check_ready_twice(rank, world_size):
         expected = q.grad.double()
         dist.all_reduce(expected)
         worst = max(worst, (p.grad.double() - expected / world_size).abs().max().item())
-    return {"twice": twice, "second": second, "after": worst}
+    return {"twice": twice, "second": second, "third": third, "after": worst}
+
+
+def check_wrapped_twice(rank, world_size):
+    """A model already wrapped, at its root or in a submodule, by FusedReducer or DDP."""
+    inner = FusedReducer(small_model())
+    ddp = nn.parallel.DistributedDataParallel(small_model())
+    holder = nn.Sequential(nn.Linear(4, 4), nn.Sequential(FusedReducer(small_model())))
+    return {"fused_in_fused": outcome(lambda: FusedReducer(inner)),
+            "ddp_in_fused": outcome(lambda: FusedReducer(ddp)),
+            "fused_in_a_submodule": outcome(lambda: FusedReducer(holder)),
+            # the inner wrapper still trains alone
+            "inner_alone": outcome(lambda: inner(torch.randn(2, 4)).sum().backward())}
 
 
 class SharedLayerCheckpointedTwice(nn.Module):
@@ -243,7 +265,7 @@ def check_ready_twice_in_one_backward(rank, world_size):
 
 CHECKS = [check_construction_arguments, check_setters, check_no_trainable_params, check_sparse,
           check_shapes, check_ready_twice, check_ready_twice_in_one_backward,
-          check_unused_without_find_unused]
+          check_unused_without_find_unused, check_wrapped_twice]
 
 
 @pytest.fixture(scope="module")
@@ -323,11 +345,25 @@ def test_unused_parameter_without_find_unused_raises_at_next_forward_on_every_ra
         assert "find_unused_parameters" in message, message
 
 
-def test_second_backward_of_one_forward_stays_local_like_ddp_then_training_recovers(outcomes):
+def test_second_backward_of_one_forward_is_averaged_unless_inside_no_sync(outcomes):
     for results in per_rank(outcomes, "check_ready_twice"):
         assert results["twice"][0] == "ok", results["twice"]
-        assert results["second"] <= 1e-6
+        assert results["second"] <= 1e-6, results  # avg(g) + avg(g), the same on every rank
+        assert results["third"] <= 1e-6, results  # + the local g inside no_sync()
         assert results["after"] <= 1e-6
+
+
+def test_a_model_wrapped_twice_is_refused_naming_the_inner_wrapper(outcomes):
+    for results in per_rank(outcomes, "check_wrapped_twice"):
+        for case, inner in (("fused_in_fused", "FusedReducer"),
+                            ("ddp_in_fused", "DistributedDataParallel"),
+                            ("fused_in_a_submodule", "FusedReducer")):
+            kind, message = results[case]
+            assert kind == MODEL_ERROR, (case, kind, message)
+            assert f"already a {inner}" in message and "twice" in message, (case, message)
+        assert "submodule '1.0'" in results["fused_in_a_submodule"][1]
+        assert "its place (the FusedReducer's .module)" in results["fused_in_a_submodule"][1]
+        assert results["inner_alone"] == ("ok", None)
 
 
 def test_gradient_marked_ready_twice_in_one_backward_raises_naming_the_parameter(outcomes):

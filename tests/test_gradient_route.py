@@ -7,6 +7,7 @@ a float64 average of locally computed gradients, the profiler's record of the co
 test's own count). The checks of the selected tests run in ONE spawn of 2 gloo ranks
 (SelectedChecks, the module fixture).
 """
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -257,22 +258,23 @@ def check_process_group(rank, world):
 
 
 def check_prepare_for_backward(rank, world):
-    """Two backward passes of one forward (manual optimization): with prepare_for_backward()
-    before the second, both are averaged; without it the second stays local (control)."""
+    """Two backward passes of one forward (manual optimization): the second is averaged too,
+    with prepare_for_backward() before it or without; inside no_sync() it stays local."""
     m = fused_with_its_defaults(build(Net))
     opt = sgd(m)
     step(m, opt, rank, 0)
     step(m, opt, rank, 1)
     out = {}
-    for arm in (True, False):
+    for seed, how in enumerate(("prepare_for_backward", "plain", "no_sync")):
         state = {k: v.clone() for k, v in m.module.state_dict().items()}
-        x, y = data(rank, 5 + arm)
+        x, y = data(rank, 5 + seed)
         m.zero_grad(set_to_none=True)
         output = m(x)
         loss_of(output, y, rank).backward(retain_graph=True)
-        if arm:
+        if how == "prepare_for_backward":
             m.prepare_for_backward()
-        count, _ = collectives(lambda: ((output ** 2).mean() * (1 + rank)).backward())
+        with m.no_sync() if how == "no_sync" else contextlib.nullcontext():
+            count, _ = collectives(lambda: ((output ** 2).mean() * (1 + rank)).backward())
         # References: each backward's local gradients, averaged in float64 with all_reduce.
         ref = Net()
         ref.load_state_dict(state)
@@ -289,7 +291,7 @@ def check_prepare_for_backward(rank, world):
             dist.all_reduce(both)
             averaged[name] = ((a + both) / world).float()
             local[name] = (a / world + b).float()
-        out[arm] = {"allreduces": count, "vs_both_averaged": max_diff(averaged, grads(m)),
+        out[how] = {"allreduces": count, "vs_both_averaged": max_diff(averaged, grads(m)),
                     "vs_second_local": max_diff(local, grads(m))}
     return out
 
@@ -394,13 +396,15 @@ def test_gradients_are_scaled_before_they_are_summed_like_ddp(outcomes):
 @CHECKS.uses(check_prepare_for_backward)
 def test_prepare_for_backward_averages_one_more_backward_of_the_same_forward(outcomes):
     for r in results(outcomes, check_prepare_for_backward):
-        armed, control = r[True], r[False]
-        assert armed["allreduces"] >= 1, armed
-        assert_small([armed["vs_both_averaged"]], "both backward passes averaged")
-        # Without prepare_for_backward() the second backward stays local, as documented.
+        for how in ("prepare_for_backward", "plain"):  # plain: the backward re-arms itself
+            assert r[how]["allreduces"] >= 1, (how, r)
+            assert_small([r[how]["vs_both_averaged"]], f"both backward passes averaged ({how})")
+            assert r[how]["vs_second_local"] > 1e-4, (how, r)
+        # Inside no_sync() the second backward stays local, as asked.
+        control = r["no_sync"]
         assert control["allreduces"] == 0, control
-        assert_small([control["vs_second_local"]], "control: second backward local")
-        assert armed["vs_second_local"] > 1e-4 and control["vs_both_averaged"] > 1e-4, r
+        assert_small([control["vs_second_local"]], "no_sync: second backward local")
+        assert control["vs_both_averaged"] > 1e-4, r
 
 
 @CHECKS.uses(check_defaults_and_stats)

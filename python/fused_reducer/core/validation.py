@@ -266,6 +266,27 @@ def _refuse_sparse_gradients(module):
                 "sparse=False (dense gradients) or keep it outside FusedReducer")
 
 
+def _refuse_wrapped_twice(module, wrapper_class):
+    """A model already wrapped (FusedReducer or DDP, at its root or in a submodule) would have
+    every gradient reduced by each wrapper: twice the traffic per step, silently. Refused on
+    every rank alike, before any collective."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (wrapper_class, nn.parallel.DistributedDataParallel)):
+            kind = type(sub).__name__
+            if name == "":
+                where, fix = "the module to wrap", (
+                    f"wrap the plain model once: FusedReducer(inner.module), where inner is the "
+                    f"{kind}, or keep the {kind} alone")
+            else:
+                where, fix = f"submodule '{name}' of the module to wrap", (
+                    f"put the plain module back in its place (the {kind}'s .module) and wrap "
+                    "the whole model once")
+            raise FusedReducerError(
+                f"FusedReducer: {where} is already a {kind}, which averages its gradients "
+                f"itself: wrapped twice, each gradient would be reduced twice (twice the traffic "
+                f"per step). To fix it, {fix}.")
+
+
 def _shape_signature(params):
     """One int64 row per parameter: dtype, ndim, numel, first _MAX_DIMS sizes (padded with -1)."""
     rows = []

@@ -37,6 +37,7 @@ from .validation import (_buffer_sync_settings, _check_bucket_view_dtypes, _chec
                          _control_device, _group_of, _health_settings, _one_communicator_backend,
                          _reduce_dtype_of, _refuse_compiled_autograd, _refuse_sparse_gradients,
                          _refuse_sync_batch_norm_on_cpu, _refuse_unsupported_ddp_arguments,
+                         _refuse_wrapped_twice,
                          _resolve_group, _runs_nccl, _verify_same_model)
 
 _log = logging.getLogger("fused_reducer")
@@ -157,6 +158,7 @@ class FusedReducer(nn.Module, Joinable):
             raise FusedReducerError("FusedReducer: the module has no trainable parameters "
                              "(none with requires_grad=True); there is nothing to reduce")
         _refuse_sparse_gradients(module)
+        _refuse_wrapped_twice(module, FusedReducer)
         self._param_names = [n for n, _ in named]
         # DTensor parameters reduce through plain leaves: see Note [DTensor parameters].
         self._tp = TensorParallelParameters(module, named, self.process_group)
@@ -374,9 +376,11 @@ class FusedReducer(nn.Module, Joinable):
     # unknowable at a backward's end, because a forward whose output is dropped (a GAN's extra
     # generator pass, a metric computed with grad enabled) never gets one; deferring would then
     # never average, while renewing the arm stays exact. A second backward through the same graph
-    # (retain_graph=True) stays local, as before (the hook acts once per forward), and a ShardedOptimizer
-    # refuses a renewed arm: its averages exist only as shards, and the next backward would have to
-    # accumulate into released gradients.
+    # (one forward, backward(retain_graph=True) twice, or one backward per output) is reduced the
+    # same way: DDP leaves it local and the ranks' gradients silently differ. It is reduced if it
+    # runs while the model syncs (inside no_sync() it stays local, as the user asked). A
+    # ShardedOptimizer refuses a renewed arm: its averages exist only as shards, and the next
+    # backward would have to accumulate into released gradients.
     @torch.compiler.disable
     def _hook_outputs(self, output):
         """Hooks on a synchronised forward's outputs: the first backward reaching them is reduced
@@ -405,10 +409,11 @@ class FusedReducer(nn.Module, Joinable):
             wrapper = model()
             if wrapper is None or wrapper.__dict__.get("_reducer") is None:
                 return
-            if first[0]:
-                first[0] = False
-                if synced:
-                    wrapper._arm_for_backward_of_forward()
+            # The forward decided whether its first backward syncs (as DDP); a later backward
+            # through the same graph syncs unless it runs inside no_sync().
+            if synced and (first[0] or wrapper._syncing):
+                wrapper._arm_for_backward_of_forward()
+            first[0] = False
             if tp:
                 wrapper._publish_at_end_of_backward()
             if find_unused:
