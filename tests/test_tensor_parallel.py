@@ -8,8 +8,13 @@ core/tensor_parallel.py):
 - the norm from the copy is torch.nn.utils.clip_grad_norm_'s over the DTensor gradients (the
   shards summed over the TP group, replicated parameters once), and clipping with it is exact;
 - several buckets, reduce_dtype, check_finite, a DDP comm hook and the ShardedOptimizer (its
-  clip_grad_norm_ over the DP and TP shards) work as on a plain model; a LayerNorm left plain
-  (not a DTensor) and two forwards before their backwards are exact too;
+  clip_grad_norm_ over the DP and TP shards; its 1- and inf-norms torch's) work as on a plain
+  model; a LayerNorm left plain (not a DTensor) and two forwards before their backwards are exact
+  too;
+- a DTensor parameter tied between two modules gets both uses' gradients; a param.grad zeroed in
+  place (set_to_none=False) or set by hand before a backward is what that backward adds to;
+- tensor-parallel pipeline stages (mesh (pp, dp, tp) = (1, 2, 2)) under a split-backward schedule
+  with find_unused_parameters stay exact and equal across the DP ranks;
 - Megatron-style sequence parallelism (SequenceParallel LayerNorm, Shard(1) activations) is
   exact, its replicated LayerNorm's Partial gradient summed over the TP ranks by DTensor;
 - a parameter sharded over the data-parallel dimension is refused naming it and FSDP;
