@@ -128,4 +128,43 @@ MUTATIONS = [
             "its predictions read 6x below the schedule steps the trials measure",
         tests=[D3 + "test_autotune_on_a_pipeline_stage_measures_and_stays_exact"],
     ),
+    dict(
+        id="tp-sharded-inf-norm-summed-over-dp",
+        file=TP_PY,
+        edits=[("        dist.all_reduce(parts, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=dp_group)",
+                "        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=dp_group)")],
+        why="a ShardedOptimizer's inf-norm of a tensor-parallel model adds the DP ranks' largest "
+            "|g| instead of taking the largest: clip_grad_norm_(norm_type=inf) clips by a norm "
+            "torch would not compute (only the 2-norm was checked)",
+        tests=[TP + "test_sharded_optimizer_with_dtensor_parameters_reports_the_global_1_and_inf_norms"],
+    ),
+    dict(
+        id="tp-tied-parameter-swapped-in-one-owner-only",
+        file=TP_PY,
+        edits=[("                for owner, attr in e.owners:\n                    owner._parameters[attr] = view",
+                "                for owner, attr in e.owners[:1]:\n                    owner._parameters[attr] = view")],
+        why="a DTensor parameter tied between two modules is replaced by the leaf's view in its "
+            "first owner only: the other use's gradient lands on the DTensor parameter and is "
+            "overwritten when the leaf's gradient is published (one use's gradient dropped)",
+        tests=[TP + "test_dtensor_parameter_tied_between_two_modules_gets_both_uses_gradients"],
+    ),
+    dict(
+        id="tp-hand-set-grad-not-adopted",
+        file=TP_PY,
+        edits=[("                if e.leaf.grad is None or local_grad.data_ptr() != e.leaf.grad.data_ptr():",
+                "                if e.leaf.grad is None:")],
+        why="a DTensor parameter's .grad set by hand before a forward is not handed to the "
+            "reducer's leaf: the backward accumulates onto the last step's gradient instead",
+        tests=[TP + "test_dtensor_gradients_kept_or_set_by_hand_are_accumulated_onto"],
+    ),
+    dict(
+        id="split-backward-find-unused-zeros-into-the-dtensor-parameters",
+        file=PIPELINING_PY,
+        edits=[("            reduced = self.submod._attachment.params[::-1]",
+                "            reduced = self.submod._attachment.module_params[::-1]")],
+        why="with find_unused_parameters REDUCE_GRAD's backward of zeros goes into the module's "
+            "DTensor parameters, not the reducer's leaves: no gradient hook fires, the split "
+            "stages' weight gradients are never averaged and the DP ranks diverge",
+        tests=[TP + "test_tp_stages_split_backward_with_find_unused_parameters_stay_exact_and_in_step"],
+    ),
 ]

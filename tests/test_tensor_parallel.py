@@ -8,8 +8,13 @@ core/tensor_parallel.py):
 - the norm from the copy is torch.nn.utils.clip_grad_norm_'s over the DTensor gradients (the
   shards summed over the TP group, replicated parameters once), and clipping with it is exact;
 - several buckets, reduce_dtype, check_finite, a DDP comm hook and the ShardedOptimizer (its
-  clip_grad_norm_ over the DP and TP shards) work as on a plain model; a LayerNorm left plain
-  (not a DTensor) and two forwards before their backwards are exact too;
+  clip_grad_norm_ over the DP and TP shards; its 1- and inf-norms torch's) work as on a plain
+  model; a LayerNorm left plain (not a DTensor) and two forwards before their backwards are exact
+  too;
+- a DTensor parameter tied between two modules gets both uses' gradients; a param.grad zeroed in
+  place (set_to_none=False) or set by hand before a backward is what that backward adds to;
+- tensor-parallel pipeline stages (mesh (pp, dp, tp) = (1, 2, 2)) under a split-backward schedule
+  with find_unused_parameters stay exact and equal across the DP ranks;
 - Megatron-style sequence parallelism (SequenceParallel LayerNorm, Shard(1) activations) is
   exact, its replicated LayerNorm's Partial gradient summed over the TP ranks by DTensor;
 - a parameter sharded over the data-parallel dimension is refused naming it and FSDP;
@@ -263,10 +268,15 @@ def check_sharded_optimizer(rank, world):
     opt = fused_reducer.ShardedOptimizer(model, torch.optim.SGD, lr=LR)
     ref_grads, ref_norms, ref_params = _reference(STEPS, clip=clip)
     dp = mesh["dp"].get_local_rank()
-    out = {"norm": []}
+    out = {"norm": [], "other_norms": []}
     for step in range(STEPS):
         opt.zero_grad()
         model(_data(dp, step)).pow(2).mean().backward()
+        # The 1- and inf-norms over the same shards, against torch's on the float64 gradients.
+        reference = list(ref_grads[step].values())
+        out["other_norms"].append({
+            p: (float(opt.grad_norm(p)), float(torch.nn.utils.get_total_norm(reference, p)))
+            for p in (1.0, float("inf"))})
         out["norm"].append(abs(float(opt.clip_grad_norm_(clip)) - ref_norms[step]))
         opt.step()
     out["params"] = _max_diff(dict(model.module.named_parameters()), ref_params)
@@ -504,6 +514,157 @@ def check_torch_compile(rank, world):
     return out
 
 
+class TiedBlock(Block):
+    """The block with a second column-wise Linear `gate` whose weight is tied to up's (one
+    parameter owned by two modules; its own bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 32)
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.down(torch.relu(self.up(x)) * torch.sigmoid(self.gate(x)))
+
+
+def check_tied_dtensor_parameter(rank, world):
+    """up.weight and gate.weight one DTensor parameter (tied after parallelize_module): the
+    gradients of both uses reach it, as in the float64 model with the same tie on the global
+    batch; grads and parameters per step."""
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = _mesh()
+    dp = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    block = TiedBlock()
+    reference = copy.deepcopy(block).double()
+    reference.gate.weight = reference.up.weight
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "gate": ColwiseParallel(),
+                                           "down": RowwiseParallel()})
+    distribute_module(block.norm, mesh["tp"], input_fn=_replicated_input,
+                      output_fn=_local_output)
+    block.gate.weight = block.up.weight
+    model = FusedReducer(block, device_mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    out = {"grads": [], "params": [], "tied": block.gate.weight is block.up.weight,
+           "placements_kept": True}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        model(_data(dp, step)).pow(2).mean().backward()
+        ref_opt.zero_grad()
+        x = torch.cat([_data(d, step, dtype=torch.float64) for d in range(2)])
+        reference(x).pow(2).mean().backward()
+        named = dict(block.named_parameters())
+        out["placements_kept"] &= all(p.grad.placements == p.placements for p in named.values())
+        out["grads"].append(_max_diff({n: p.grad for n, p in named.items()},
+                                      {n: p.grad for n, p in reference.named_parameters()}))
+        opt.step()
+        ref_opt.step()
+        out["params"].append(_max_diff(named, dict(reference.named_parameters())))
+    out["tied"] &= block.gate.weight is block.up.weight
+    return out
+
+
+def check_gradients_kept_or_set_by_hand(rank, world):
+    """param.grad of the DTensor parameters not cleared between steps: (a) zero_grad(
+    set_to_none=False) (zeroed in place), (b) set by hand to new DTensors before each backward
+    (0.01 * param, as a weight-decay term would be; the backward accumulates onto it). Per step
+    the gradients and parameters against the float64 model on the global batch doing the
+    same."""
+    mesh = _mesh()
+    dp = mesh["dp"].get_local_rank()
+    out = {}
+    for how in ("set_to_none=False", "set by hand"):
+        torch.manual_seed(0)
+        reference = Block().double()
+        model = FusedReducer(_tp_block(mesh), device_mesh=mesh["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+        res = {"grads": [], "params": [], "placements_kept": True}
+        for step in range(STEPS):
+            for o, m in ((opt, model), (ref_opt, reference)):
+                o.zero_grad(set_to_none=False)
+                if how == "set by hand":
+                    for p in m.parameters():
+                        p.grad = 0.01 * p.detach()
+            model(_data(dp, step)).pow(2).mean().backward()
+            x = torch.cat([_data(d, step, dtype=torch.float64) for d in range(2)])
+            reference(x).pow(2).mean().backward()
+            named = dict(model.module.named_parameters())
+            res["placements_kept"] &= all(p.grad.placements == p.placements
+                                          for p in named.values())
+            res["grads"].append(_max_diff({n: p.grad for n, p in named.items()},
+                                          {n: p.grad for n, p in reference.named_parameters()}))
+            opt.step()
+            ref_opt.step()
+        res["params"] = _max_diff(dict(model.module.named_parameters()),
+                                  dict(reference.named_parameters()))
+        out[how] = res
+    return out
+
+
+def check_split_backward_with_find_unused_parameters(rank, world):
+    """TP=2 x DP=2, the two stages of a pipeline on each DP rank (mesh (pp, dp, tp) = (1, 2, 2))
+    under ScheduleInterleavedZeroBubble, each stage an MLP (ColwiseParallel + RowwiseParallel) in
+    a FusedReducer(find_unused_parameters=True) over mesh['dp']: the second stage's split weight
+    halves stay local and REDUCE_GRAD reduces them (Note [Split backward]). Per step: the
+    parameters against the float64 model of both stages on the global batch, how far the two DP
+    ranks' parameters are apart, the reductions per stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from fused_reducer.pipelining import PipelineStage
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(2)]
+    reference = copy.deepcopy(nn.Sequential(*blocks)).double()
+    models, stages = [], []
+    for index, block in enumerate(blocks):
+        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = FusedReducer(block, device_mesh=mesh["dp"], find_unused_parameters=True,
+                             bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
+        models.append(model)
+        stages.append(PipelineStage(model, index, 2, torch.device("cpu"),
+                                    group=mesh["pp"].get_group()))
+
+    def loss_fn(out, target):
+        return (out - target).pow(2).mean()
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=4, loss_fn=loss_fn)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=LR)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+
+    def batch(d, step, dtype=torch.float32):
+        g = torch.Generator().manual_seed(100 * step + d)
+        return torch.randn(8, 8, generator=g).to(dtype), torch.randn(8, 8, generator=g).to(dtype)
+    out = {"params": [], "dp_spread": [], "reductions": []}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        before = [m.stats()["step"] for m in models]
+        x, y = batch(dp, step)
+        schedule.step(x, target=y)
+        out["reductions"].append([m.stats()["step"] - b for m, b in zip(models, before)])
+        opt.step()
+        ref_opt.zero_grad()
+        xs, ys = zip(*(batch(d, step, torch.float64) for d in range(2)))
+        loss_fn(reference(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+        ours = {f"{i}.{n}": p for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+        out["params"].append(_max_diff(ours, dict(reference.named_parameters())))
+        spread = 0.0
+        for p in ours.values():  # max - min over the DP group, elementwise
+            local = p.detach().to_local()
+            hi, lo = local.clone(), -local
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())
+            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())
+            spread = max(spread, float((hi + lo).abs().max()))
+        out["dp_spread"].append(spread)
+    return out
+
+
 # -- tests ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -558,6 +719,16 @@ def test_buckets_reduce_dtype_check_finite_and_comm_hooks(outcomes):
 def test_sharded_optimizer_with_dtensor_parameters_clips_by_the_global_norm(outcomes):
     for r in per_rank(outcomes, "check_sharded_optimizer"):
         assert r["params"] < TOL and max(r["norm"]) < TOL and r["placements_kept"], r
+
+
+@checks.uses(check_sharded_optimizer)
+def test_sharded_optimizer_with_dtensor_parameters_reports_the_global_1_and_inf_norms(outcomes):
+    """The inf-norm is the largest |g| over every DP and TP shard (a maximum, not a sum, over
+    the DP group), the 1-norm their sum: torch's norms of the float64 model's gradients."""
+    for r in per_rank(outcomes, "check_sharded_optimizer"):
+        for norms in r["other_norms"]:
+            for p, (ours, reference) in norms.items():
+                assert abs(ours - reference) < 1e-6 * max(1.0, reference), (p, norms)
 
 
 @checks.uses(check_several_forwards_before_backwards)
@@ -622,3 +793,31 @@ def test_torch_compile_of_a_tp_model_trains_as_eager_reducing_once_per_bucket(ou
             # the profiler's count: the buckets' all-reduces and the TP layers', as in eager
             assert c["allreduces"] == r["eager_allreduces"], (how, c, r["eager_allreduces"])
             assert c["reducer"] == [buckets] * STEPS, (how, c)
+
+
+@checks.uses(check_tied_dtensor_parameter)
+def test_dtensor_parameter_tied_between_two_modules_gets_both_uses_gradients(outcomes):
+    for r in per_rank(outcomes, "check_tied_dtensor_parameter"):
+        assert r["tied"] and r["placements_kept"], r
+        assert max(r["grads"]) < TOL and max(r["params"]) < TOL, r
+
+
+@checks.uses(check_gradients_kept_or_set_by_hand)
+def test_dtensor_gradients_kept_or_set_by_hand_are_accumulated_onto(outcomes):
+    """A param.grad zeroed in place or replaced by hand before a backward is what the backward
+    adds to (and the reducer averages), not the previous step's gradient."""
+    for r in per_rank(outcomes, "check_gradients_kept_or_set_by_hand"):
+        for how, res in r.items():
+            assert max(res["grads"]) < TOL and res["params"] < TOL, (how, res)
+            assert res["placements_kept"], (how, res)
+
+
+@checks.uses(check_split_backward_with_find_unused_parameters)
+def test_tp_stages_split_backward_with_find_unused_parameters_stay_exact_and_in_step(outcomes):
+    """find_unused_parameters with tensor-parallel stages under a split-backward schedule:
+    REDUCE_GRAD's reduction of the weight halves reaches the DTensor parameters' leaves, so the
+    DP ranks stay equal and match the float64 model; each stage reduces once per step."""
+    for r in per_rank(outcomes, "check_split_backward_with_find_unused_parameters"):
+        assert max(r["dp_spread"]) == 0.0, r
+        assert max(r["params"]) < TOL, r
+        assert r["reductions"] == [[1, 1]] * STEPS, r
