@@ -71,8 +71,10 @@ MUTATIONS = [
             "the shard in the bucket instead of the fragment's gradient: the same where the "
             "gradient is a view of the bucket, lost where it is an fp32 copy (reduce_dtype=bf16, "
             "bf16 parameters with fp32 masters): each parameter moves 4 times as far",
-        tests=[PIPELINE + "test_sharded_optimizer_under_1f1b_with_bf16_reduction_divides_by_the_microbatches",
-               PIPELINE + "test_sharded_optimizer_under_1f1b_with_master_weights_divides_by_the_microbatches"],
+        tests=[PIPELINE + "test_sharded_optimizer_under_1f1b_with_bf16_reduction_"
+                          "divides_by_the_microbatches",
+               PIPELINE + "test_sharded_optimizer_under_1f1b_with_master_weights_"
+                          "divides_by_the_microbatches"],
     ),
     dict(
         id="checkpoint-hyperparameters-not-restored",

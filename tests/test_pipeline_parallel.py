@@ -21,7 +21,8 @@ STEPS = 2
 LR = 0.1
 TOL = 2e-6
 # From the float64 reference: gradients reduced in bf16 (measured 8e-5; not dividing by the
-# microbatches: 2e-2), bf16 parameters (two bf16 ulps below 0.5; measured 1.7e-3, not dividing: 2e-2)
+# microbatches: 2e-2); bf16 parameters (two bf16 ulps below 0.5; measured 1.7e-3, not dividing:
+# 2e-2)
 TOL_BF16_REDUCTION = 5e-4
 TOL_BF16_PARAMS = 2 * 2.0 ** -9
 WIDTH = 8

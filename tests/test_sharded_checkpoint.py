@@ -11,7 +11,10 @@ checkpoint loads into a plain optimizer (one process, no process group), a DDP j
 optimizer saved in the same format loads into a ShardedOptimizer, each rank's file holds about
 1/world of the state, dcp.async_save saves the state of its step, and a checkpoint of another
 model, another optimizer class or missing a rank's file raises naming what differs and loads
-nothing.
+nothing. A resume takes the checkpoint's hyperparameters over the constructor's (as torch's own
+AdamW resumed the same way); into a plain optimizer, a parameter saved without state has none (as
+torch's fresh optimizer) and channels_last parameters get the state a plain AdamW trained in one
+process holds.
 """
 import json
 import os
@@ -562,13 +565,15 @@ def _same_state(ours, theirs, tol):
     ours_params = [p for g in ours.param_groups for p in g["params"]]
     theirs_params = [p for g in theirs.param_groups for p in g["params"]]
     worst = 0.0
-    for mine, reference in zip(ours_params, theirs_params):
-        assert (mine in ours.state) == (reference in theirs.state), tuple(mine.shape)
+    for i, (mine, reference) in enumerate(zip(ours_params, theirs_params)):
         a, b = ours.state.get(mine, {}), theirs.state.get(reference, {})
-        assert sorted(a) == sorted(b), (tuple(mine.shape), sorted(a), sorted(b))
+        where = f"parameter {i} (shape {tuple(mine.shape)})"
+        assert (mine in ours.state) == (reference in theirs.state), (
+            f"{where}: state here {a}, the reference's {b or 'none'}")
+        assert sorted(a) == sorted(b), (where, sorted(a), sorted(b))
         for key in a:
-            assert torch.isfinite(a[key]).all(), (tuple(mine.shape), key, a[key].abs().max())
-            assert a[key].shape == b[key].shape, (tuple(mine.shape), key)
+            assert torch.isfinite(a[key]).all(), (where, key, "non-finite", a[key])
+            assert a[key].shape == b[key].shape, (where, key)
             worst = max(worst, (a[key].double() - b[key].double()).abs().max().item())
     assert worst <= tol, worst
     return worst
