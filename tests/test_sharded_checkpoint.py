@@ -11,7 +11,10 @@ checkpoint loads into a plain optimizer (one process, no process group), a DDP j
 optimizer saved in the same format loads into a ShardedOptimizer, each rank's file holds about
 1/world of the state, dcp.async_save saves the state of its step, and a checkpoint of another
 model, another optimizer class or missing a rank's file raises naming what differs and loads
-nothing.
+nothing. A resume takes the checkpoint's hyperparameters over the constructor's (as torch's own
+AdamW resumed the same way); into a plain optimizer, a parameter saved without state has none (as
+torch's fresh optimizer) and channels_last parameters get the state a plain AdamW trained in one
+process holds.
 """
 import json
 import os
@@ -174,6 +177,82 @@ def check_rollback(rank, world):
     _train(model, opt, range(STEPS - 1), rank, world)
     _load_the_documented_way(model, opt, _path(_config()["from"]))
     return _train_the_rest(model, opt, rank, world)
+
+
+# hyperparameters changed by hand before the save (a schedule's decay, a tuned weight decay), and
+# the ones the resumed job's constructor names: the checkpoint's must win, as torch's
+# load_state_dict restores a plain optimizer's
+SAVED_OPTIONS = dict(lr=3e-3, weight_decay=0.3)
+RESUMED_OPTIONS = dict(lr=0.5, weight_decay=0.0)
+
+
+def _train_changing_hyperparameters(model, opt, rank, world):
+    """Step 0 with OPTIMIZERS["AdamW"]'s options, the steps up to SAVED_AT with SAVED_OPTIONS."""
+    _train(model, opt, range(1), rank, world)
+    for group in opt.param_groups:
+        group.update(SAVED_OPTIONS)
+    _train(model, opt, range(1, SAVED_AT), rank, world)
+
+
+def check_resume_with_other_hyperparameters(rank, world):
+    """Save after changing the hyperparameters, resume into a ShardedOptimizer constructed with
+    others (another layout): the hyperparameters it resumes with and its parameters at the end."""
+    cls, kwargs = OPTIMIZERS["AdamW"]
+    model = FusedReducer(_net(), bucket_cap_mb=2 * KB / 2**20)
+    opt = ShardedOptimizer(model, cls, **kwargs)
+    _train_changing_hyperparameters(model, opt, rank, world)
+    dcp.save({"model": model.module.state_dict(), "optim": opt.sharded_state_dict()},
+             checkpoint_id=_path("hyperparameters"))
+    model.close()
+    model = FusedReducer(_net(seed=7), bucket_cap_mb=5 * KB / 2**20)
+    opt = ShardedOptimizer(model, cls, **dict(kwargs, **RESUMED_OPTIONS))
+    _load_the_documented_way(model, opt, _path("hyperparameters"))
+    resumed = {k: opt.param_groups[0][k] for k in SAVED_OPTIONS}
+    return resumed, _train_the_rest(model, opt, rank, world)
+
+
+class _Convs(nn.Module):
+    """Two convolutions and a linear head; .to(memory_format=torch.channels_last) makes the
+    convolutions' weights channels_last (memory order (out, kh, kw, in), not row-major)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 3), nn.Tanh())
+        self.head = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.head(self.convs(x).flatten(1))
+
+
+def _convs(seed=0):
+    return _Convs(seed).to(memory_format=torch.channels_last)
+
+
+def _image_batch(step, rank, world):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(ROWS, 3, 8, 8, generator=g), torch.randn(ROWS, 5, generator=g)
+    per = ROWS // world
+    return (x[rank * per:(rank + 1) * per].contiguous(memory_format=torch.channels_last),
+            y[rank * per:(rank + 1) * per])
+
+
+def _train_images(model, opt, steps, rank, world):
+    for step in steps:
+        x, y = _image_batch(step, rank, world)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def check_save_channels_last(rank, world):
+    """A ShardedOptimizer over channels_last convolutions, SAVED_AT steps, then dcp.save."""
+    model = FusedReducer(_convs(), bucket_cap_mb=2 * KB / 2**20)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train_images(model, opt, range(SAVED_AT), rank, world)
+    dcp.save({"model": model.module.state_dict(), "optim": opt.sharded_state_dict()},
+             checkpoint_id=_path("channels-last"))
+    model.close()
 
 
 STATELESS = {"Rprop": (torch.optim.Rprop, dict(lr=1e-3)),
@@ -453,14 +532,120 @@ def test_a_checkpoint_that_does_not_fit_raises_naming_what_differs_and_loads_not
 
 
 def test_a_checkpoint_saved_before_any_step_resumes_as_fresh_optimizers(env):
+    """Into ShardedOptimizers at another world size, and into plain optimizers in one process
+    (load_plain_optimizer_state_dict): no state where none was saved, as torch's fresh optimizer."""
     _run(check_save_before_any_step, 2, env, {"phase": "save"})
     got = _run(check_save_before_any_step, 3, env, {"phase": "resume"})
-    for i, (cls, kwargs) in enumerate(STATELESS.values()):
+    for i, (name, (cls, kwargs)) in enumerate(STATELESS.items()):
         model = _net()
         opt = cls(model.parameters(), **kwargs)
         _train(model, opt, range(SAVED_AT), 0, 1)
         for params in got:
-            assert _max_diff(params[i], list(model.parameters())) <= 1e-6, cls.__name__
+            assert _max_diff(params[i], list(model.parameters())) <= 1e-6, name
+        plain = _net(seed=7)
+        plain_opt = cls(plain.parameters(), **kwargs)
+        _load_into_plain(plain, plain_opt, _path(f"fresh-{name}"))
+        assert dict(plain_opt.state) == {}, (name, plain_opt.state)
+        _train(plain, plain_opt, range(SAVED_AT), 0, 1)
+        assert _max_diff(list(plain.parameters()), list(model.parameters())) <= 1e-6, name
+
+
+def _load_into_plain(model, opt, path):
+    """The documented load of a checkpoint into a plain optimizer in one process."""
+    sd = {"model": model.state_dict(),
+          "optim": sharded_checkpoint.plain_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)  # no process group: DCP reads in this process
+    model.load_state_dict(sd["model"])
+    sharded_checkpoint.load_plain_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _same_state(ours, theirs, tol):
+    """Both optimizers hold state for the same parameters (by position), with the same keys, and
+    every value within `tol`; the largest difference."""
+    ours_params = [p for g in ours.param_groups for p in g["params"]]
+    theirs_params = [p for g in theirs.param_groups for p in g["params"]]
+    worst = 0.0
+    for i, (mine, reference) in enumerate(zip(ours_params, theirs_params)):
+        a, b = ours.state.get(mine, {}), theirs.state.get(reference, {})
+        where = f"parameter {i} (shape {tuple(mine.shape)})"
+        assert (mine in ours.state) == (reference in theirs.state), (
+            f"{where}: state here {a}, the reference's {b or 'none'}")
+        assert sorted(a) == sorted(b), (where, sorted(a), sorted(b))
+        for key in a:
+            assert torch.isfinite(a[key]).all(), (where, key, "non-finite", a[key])
+            assert a[key].shape == b[key].shape, (where, key)
+            worst = max(worst, (a[key].double() - b[key].double()).abs().max().item())
+    assert worst <= tol, worst
+    return worst
+
+
+def test_a_parameter_without_state_loads_into_a_plain_optimizer_without_state(env):
+    """A plain optimizer's checkpoint (SGD with dampening) in which one parameter never had a
+    gradient, loaded into a fresh plain optimizer: that parameter has no state (not the zeros
+    the format carries for it), the others the saved state, and the steps after it are those of
+    the saving optimizer going on (SGD with dampening starts a new buffer at the gradient)."""
+    cls, kwargs = STATELESS["SGD"]
+    model = _net()
+    opt = cls(model.parameters(), **kwargs)
+    scale = model[-1].scale
+    scale.requires_grad_(False)  # no gradient, so no momentum buffer, before the save
+    _train(model, opt, range(SAVED_AT), 0, 1)
+    scale.requires_grad_(True)
+    assert scale not in opt.state and len(opt.state) == len(list(model.parameters())) - 1
+    dcp.save({"model": model.state_dict(),
+              "optim": sharded_checkpoint.plain_optimizer_state_dict(model, opt)},
+             checkpoint_id=_path("plain-without-state"))
+    resumed = _net(seed=7)
+    resumed_opt = cls(resumed.parameters(), **kwargs)
+    _load_into_plain(resumed, resumed_opt, _path("plain-without-state"))
+    _same_state(resumed_opt, opt, 0.0)
+    _train(model, opt, range(SAVED_AT, STEPS), 0, 1)
+    _train(resumed, resumed_opt, range(SAVED_AT, STEPS), 0, 1)
+    assert _max_diff(list(resumed.parameters()), list(model.parameters())) == 0.0
+
+
+def test_a_checkpoint_of_channels_last_parameters_loads_into_a_plain_optimizer(env):
+    """A ShardedOptimizer's checkpoint over channels_last convolutions (state in their memory
+    order) loaded into a plain AdamW in one process: its state is that of a plain AdamW trained
+    on the same global batches in one process, element for element (no uninitialised or
+    misplaced values), and so are the steps after it."""
+    _run(check_save_channels_last, 2, env, {})
+    model = _convs()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_images(model, opt, range(SAVED_AT), 0, 1)
+    resumed = _convs(seed=7)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    _load_into_plain(resumed, resumed_opt, _path("channels-last"))
+    assert resumed.convs[0].weight.is_contiguous(memory_format=torch.channels_last)
+    _same_state(resumed_opt, opt, 1e-7)  # measured 2e-9 (moments about 1e-2)
+    _train_images(model, opt, range(SAVED_AT, STEPS), 0, 1)
+    _train_images(resumed, resumed_opt, range(SAVED_AT, STEPS), 0, 1)
+    assert _max_diff(list(resumed.parameters()), list(model.parameters())) <= 1e-6
+
+
+def test_a_resume_takes_the_checkpoints_hyperparameters_over_the_constructors(env):
+    """Saved after lr and weight_decay were changed by hand, resumed into a ShardedOptimizer (and
+    a plain AdamW in one process) constructed with others: both go on with the saved ones, as
+    torch's AdamW constructed with the others and given the saved state_dict."""
+    got = _run(check_resume_with_other_hyperparameters, 2, env, {})
+    cls, kwargs = OPTIMIZERS["AdamW"]
+    model = _net()
+    opt = cls(model.parameters(), **kwargs)
+    _train_changing_hyperparameters(model, opt, 0, 1)
+    reference_opt = cls(model.parameters(), **dict(kwargs, **RESUMED_OPTIONS))
+    reference_opt.load_state_dict(opt.state_dict())  # torch's own resume
+    assert {k: reference_opt.param_groups[0][k] for k in SAVED_OPTIONS} == SAVED_OPTIONS
+    plain = _net(seed=7)
+    plain_opt = cls(plain.parameters(), **dict(kwargs, **RESUMED_OPTIONS))
+    _load_into_plain(plain, plain_opt, _path("hyperparameters"))
+    _train(model, reference_opt, range(SAVED_AT, STEPS), 0, 1)
+    for resumed, params in got:
+        assert resumed == SAVED_OPTIONS, resumed
+        assert _max_diff(params, list(model.parameters())) <= 1e-6, _max_diff(
+            params, list(model.parameters()))
+    assert {k: plain_opt.param_groups[0][k] for k in SAVED_OPTIONS} == SAVED_OPTIONS
+    _train(plain, plain_opt, range(SAVED_AT, STEPS), 0, 1)
+    assert _max_diff(list(plain.parameters()), list(model.parameters())) <= 1e-6
 
 
 def test_a_live_job_rolls_back_to_a_checkpoint_of_another_world_size(env):
