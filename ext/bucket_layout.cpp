@@ -67,7 +67,7 @@ std::string dtype_name(at::ScalarType type) {
 }
 
 // Note [Reduce dtype]
-// options_.reduce_dtype (FusedReducer(reduce_dtype=...), model.reduce_dtype)
+// The reduce dtype (FusedReducer(reduce_dtype=...), model.reduce_dtype)
 // is the dtype every bucket of floating-point gradients holds; nullopt keeps
 // each gradient's own dtype (integer or complex gradients always keep theirs).
 // Groups stay one per (gradient dtype, device), so every job of a bucket has
@@ -88,11 +88,12 @@ std::string dtype_name(at::ScalarType type) {
 
 // Note [Persistent limits]
 // DDP reads its first-bucket size once, and its rebuild uses a C++ constant,
-// so changing it later has no effect. Here the limits live in options_ and
-// every layout (the initial one, the automatic rebuild after the first step,
-// and every rebuild a user asks for) is computed from them, so a value set by
-// the user holds until it is set again. Rank 0's values travel with the
-// layout broadcast, so ranks cannot disagree on them.
+// so changing it later has no effect. Here the limits live in the reducer's
+// options (Reducer::options_) and every layout (the initial one, the automatic
+// rebuild after the first step, and every rebuild a user asks for) is built
+// from them, so a value set by the user holds until it is set again. Rank 0's
+// values travel with the layout broadcast, and every rank keeps them (the
+// reducer copies in_force() back into its options), so ranks cannot disagree.
 
 void check_reduce_dtype(std::optional<at::ScalarType> dtype) {
   if (!dtype || *dtype == at::kFloat || *dtype == at::kBFloat16 || *dtype == at::kHalf) {
@@ -104,12 +105,14 @@ void check_reduce_dtype(std::optional<at::ScalarType> dtype) {
 }
 
 
-BucketLayout::BucketLayout(const std::vector<at::Tensor>& params,
-                           const std::vector<std::string>& names, ReducerOptions& options,
+BucketLayout::BucketLayout(std::vector<at::Tensor> params, std::vector<std::string> names,
+                           const ReducerOptions& options,
                            c10::intrusive_ptr<c10d::ProcessGroup> group, at::Device control_device)
-    : params_(params),
-      names_(names),
-      options_(options),
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      gradient_as_bucket_view_(options.gradient_as_bucket_view),
+      ddp_first_layout_(options.ddp_first_layout),
+      timeout_(options.timeout),
       group_(std::move(group)),
       control_device_(control_device),
       world_size_(group_->getSize()) {
@@ -122,27 +125,28 @@ BucketLayout::BucketLayout(const std::vector<at::Tensor>& params,
   }
 }
 
-void BucketLayout::build_initial() {
+void BucketLayout::build_initial(const LayoutLimits& limits) {
   // Before any gradient was seen, expect them in reverse registration order.
   std::vector<int64_t> order(params_.size());
   for (size_t i = 0; i < order.size(); ++i) {
     order[i] = static_cast<int64_t>(order.size() - 1 - i);
   }
   const std::vector<char> none;
-  if (options_.ddp_first_layout) {
+  if (ddp_first_layout_) {
     std::reverse(order.begin(), order.end());
-    auto assignment = assign(order, none);
+    auto assignment = assign(limits, order, none);
     std::reverse(assignment.begin(), assignment.end());
-    build_buckets(assignment, none, /*sharded=*/false);
+    build_buckets(limits, assignment, none, /*sharded=*/false);
   } else {
-    build_buckets(assign(order, none), none, /*sharded=*/false);
+    build_buckets(limits, assign(limits, order, none), none, /*sharded=*/false);
   }
 }
 
 // Rank 0 decides the layout inputs (its limits and its observed order) and
 // broadcasts them; every rank then runs the same deterministic assignment on
 // parameters whose sizes were verified equal at construction.
-void BucketLayout::rebuild_from_rank0(const std::vector<int64_t>& order,
+void BucketLayout::rebuild_from_rank0(const LayoutLimits& limits,
+                                      const std::vector<int64_t>& order,
                                       const std::vector<char>& skipped, bool sharded) {
   // The message has the same length on every rank whatever their lists:
   // [number of caps, last, reduce dtype, caps padded to `count`, order]. A
@@ -150,13 +154,13 @@ void BucketLayout::rebuild_from_rank0(const std::vector<int64_t>& order,
   const auto count = static_cast<int64_t>(params_.size());
   constexpr int64_t kHeader = 3;
   const int64_t ncaps =
-      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), count);
+      std::min<int64_t>(static_cast<int64_t>(limits.bucket_caps_bytes.size()), count);
   at::Tensor message = at::zeros({kHeader + 2 * count}, at::kLong);
   auto* data = message.data_ptr<int64_t>();
   data[0] = ncaps;
-  data[1] = options_.last_bucket_bytes;
-  data[2] = options_.reduce_dtype ? static_cast<int64_t>(*options_.reduce_dtype) : kNoReduceDtype;
-  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,
+  data[1] = limits.last_bucket_bytes;
+  data[2] = limits.reduce_dtype ? static_cast<int64_t>(*limits.reduce_dtype) : kNoReduceDtype;
+  std::copy(limits.bucket_caps_bytes.begin(), limits.bucket_caps_bytes.begin() + ncaps,
             data + kHeader);
   std::copy(order.begin(), order.end(), data + kHeader + count);
 
@@ -165,7 +169,7 @@ void BucketLayout::rebuild_from_rank0(const std::vector<int64_t>& order,
   broadcast.rootRank = 0;
   auto work = group_->broadcast(tensors, broadcast);
   try {
-    work->wait(options_.timeout);
+    work->wait(timeout_);
     release_work(std::move(work));  // See Note [Releasing process-group work]
   } catch (const std::exception& e) {
     release_work(std::move(work));
@@ -174,23 +178,24 @@ void BucketLayout::rebuild_from_rank0(const std::vector<int64_t>& order,
   }
   message = tensors[0].cpu();
   data = message.data_ptr<int64_t>();
-  options_.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);
-  options_.last_bucket_bytes = data[1];
-  options_.reduce_dtype = data[2] == kNoReduceDtype
-                              ? std::nullopt
-                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));
-  build_buckets(assign(std::vector<int64_t>(data + kHeader + count, data + kHeader + 2 * count),
-                       skipped),
-                skipped, sharded);
+  LayoutLimits rank0;
+  rank0.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);
+  rank0.last_bucket_bytes = data[1];
+  rank0.reduce_dtype = data[2] == kNoReduceDtype
+                           ? std::nullopt
+                           : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));
+  const std::vector<int64_t> rank0_order(data + kHeader + count, data + kHeader + 2 * count);
+  build_buckets(rank0, assign(rank0, rank0_order, skipped), skipped, sharded);
   rebuilds_ += 1;
 }
 
 // The dtype of parameter `index`'s slot: the reduce dtype for floating-point
 // gradients when one is set, else the gradient's own. See Note [Reduce dtype].
-at::ScalarType BucketLayout::bucket_dtype(int64_t index) const {
+at::ScalarType BucketLayout::bucket_dtype(int64_t index,
+                                          std::optional<at::ScalarType> reduce_dtype) const {
   const at::ScalarType type = params_[index].scalar_type();
-  if (options_.reduce_dtype && at::isFloatingType(type)) {
-    return *options_.reduce_dtype;
+  if (reduce_dtype && at::isFloatingType(type)) {
+    return *reduce_dtype;
   }
   return type;
 }
@@ -198,7 +203,7 @@ at::ScalarType BucketLayout::bucket_dtype(int64_t index) const {
 // gradient_as_bucket_view: param.grad becomes a view of its slot, which needs
 // the slot to have the gradient's dtype.
 void BucketLayout::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const {
-  if (!options_.gradient_as_bucket_view || !dtype) {
+  if (!gradient_as_bucket_view_ || !dtype) {
     return;
   }
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -213,27 +218,29 @@ void BucketLayout::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype)
   }
 }
 
-std::vector<std::vector<int64_t>> BucketLayout::assign(const std::vector<int64_t>& order,
-                                                             const std::vector<char>& skipped) {
+std::vector<std::vector<int64_t>> BucketLayout::assign(const LayoutLimits& limits,
+                                                       const std::vector<int64_t>& order,
+                                                       const std::vector<char>& skipped) {
   // Bucket limits count bytes of the bucket dtype (what the collective moves).
   for (size_t i = 0; i < params_.size(); ++i) {
-    infos_[i].bytes = params_[i].numel() *
-                      static_cast<int64_t>(c10::elementSize(bucket_dtype(static_cast<int64_t>(i))));
+    infos_[i].bytes = params_[i].numel() * static_cast<int64_t>(c10::elementSize(
+                                               bucket_dtype(static_cast<int64_t>(i), limits.reduce_dtype)));
   }
   // Skipped parameters get buckets of their own: Note [Skipping unused parameters].
   std::vector<TensorInfo> infos = infos_;
   for (size_t i = 0; i < skipped.size(); ++i) {
     infos[i].group = 2 * infos[i].group + (skipped[i] ? 1 : 0);
   }
-  return assign_buckets(infos, order, {options_.bucket_caps_bytes, options_.last_bucket_bytes});
+  return assign_buckets(infos, order, {limits.bucket_caps_bytes, limits.last_bucket_bytes});
 }
 
-void BucketLayout::build_buckets(const std::vector<std::vector<int64_t>>& assignment,
+void BucketLayout::build_buckets(const LayoutLimits& limits,
+                                 const std::vector<std::vector<int64_t>>& assignment,
                                  const std::vector<char>& skipped, bool sharded) {
   for (Bucket& old : buckets_) {
     old.release_after_copies();  // Note [Releasing GPU buckets]
   }
-  if (!options_.gradient_as_bucket_view) {
+  if (!gradient_as_bucket_view_) {
     // Nothing lives in the old buckets between steps (the gradients are in param.grad): release
     // them before making the new ones, so a rebuild needs no more memory than a step. With
     // gradient_as_bucket_view the gradients are views of them, moved into the new buckets below
@@ -247,7 +254,7 @@ void BucketLayout::build_buckets(const std::vector<std::vector<int64_t>>& assign
     Bucket& bucket = buckets[b];
     bucket.params = assignment[b];
     const auto& first = params_[bucket.params.front()];
-    const at::ScalarType dtype = bucket_dtype(bucket.params.front());
+    const at::ScalarType dtype = bucket_dtype(bucket.params.front(), limits.reduce_dtype);
     // See Note [Slot layout].
     const int64_t align =
         std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
@@ -273,7 +280,7 @@ void BucketLayout::build_buckets(const std::vector<std::vector<int64_t>>& assign
       bucket.bytes += infos_[index].bytes;
       bucket_of_[index] = static_cast<int64_t>(b);
       slot_of_[index] = static_cast<int64_t>(slot);
-      if (options_.gradient_as_bucket_view) {
+      if (gradient_as_bucket_view_) {
         // Move existing gradients into the new buffer so param.grad stays a view.
         at::Tensor& grad = params_[index].mutable_grad();
         if (grad.defined()) {
@@ -282,14 +289,11 @@ void BucketLayout::build_buckets(const std::vector<std::vector<int64_t>>& assign
         }
       }
     }
-    bucket.pending = static_cast<int64_t>(bucket.params.size());
     bucket.skipped = !skipped.empty() && skipped[bucket.params.front()];
   }
   buckets_ = std::move(buckets);
   in_force_.sharded = sharded;
-  in_force_.bucket_caps_bytes = options_.bucket_caps_bytes;
-  in_force_.last_bucket_bytes = options_.last_bucket_bytes;
-  in_force_.reduce_dtype = options_.reduce_dtype;
+  static_cast<LayoutLimits&>(in_force_) = limits;
 }
 // Note [Releasing GPU buckets]
 // A GPU bucket is allocated on the stream current at its build, and the caching

@@ -74,7 +74,6 @@ Reducer::Reducer(std::vector<at::Tensor> params,
       rank_(group->getRank()),
       world_size_(group->getSize()),
       layout_(params_, names_, options_, std::move(group), control_device),
-      buckets_(layout_.buckets()),
       unused_(names_),
       telemetry_(params_.size()),
       health_(options_.health, rank_, world_size_, params_, names_,
@@ -88,7 +87,7 @@ Reducer::Reducer(std::vector<at::Tensor> params,
   }
   layout_.check_bucket_view_dtypes(options_.reduce_dtype);
   copy_at_hook_ = !params_.front().is_cuda();
-  layout_.build_initial();
+  layout_.build_initial(requested_limits());
   reset_iteration();
   install_hooks();
 }
@@ -143,7 +142,6 @@ void Reducer::on_gradient_ready(int64_t index) {
   if (!callback_queued_) {
     queue_finalize();  // See Note [End of backward]
   }
-  const double now = now_us();
   const bool first = ready_order_.empty();
   if (first) {
     health_.begin_step();
@@ -156,12 +154,9 @@ void Reducer::on_gradient_ready(int64_t index) {
     }
   }
   ready_order_.push_back(index);
-  telemetry_.gradient_ready(index, now, first);
-  Bucket& bucket = layout_.bucket_of(index);
-  if (std::isnan(bucket.timing.ready_first_us)) {
-    bucket.timing.ready_first_us = now;
-  }
-  bucket.timing.ready_last_us = now;
+  const size_t b = layout_.bucket_index_of(index);
+  telemetry_.gradient_ready(index, b, first);
+  Bucket& bucket = buckets()[b];
   if (copy_at_hook_) {
     // See Note [Copy at the hook].
     std::vector<CopyJob> jobs;
@@ -170,7 +165,7 @@ void Reducer::on_gradient_ready(int64_t index) {
     scaled_copy(jobs, gradient_scale(), &stats);
     packed_[index] = 1;
   }
-  if (--bucket.pending == 0) {
+  if (--progress_[b].pending == 0) {
     launch_ready_buckets();
   }
   if (!options_.find_unused_parameters) {
@@ -237,8 +232,8 @@ void Reducer::check_not_decided_unused(int64_t index) const {
 // Unpacks, in order, the launched buckets whose collective has completed.
 void Reducer::unpack_completed_buckets() {
   while (next_to_unpack_ < next_to_launch_) {
-    Bucket& bucket = buckets_[next_to_unpack_];
-    if (bucket.collective && !bucket.collective->completed()) {
+    const auto& collective = progress_[next_to_unpack_].collective;
+    if (collective && !collective->completed()) {
       return;
     }
     finish_bucket(next_to_unpack_++, nullptr, /*exposed=*/false);
@@ -251,17 +246,16 @@ void Reducer::unpack_completed_buckets() {
 void Reducer::finish_bucket(size_t index, const int32_t* used, bool exposed) {
   const double start = now_us();
   wait_for_bucket(index);
-  BucketTiming& timing = buckets_[index].timing;
-  timing.complete_us = now_us();
-  timing.wait_us = exposed ? timing.complete_us - start : 0.0;
-  if (!buckets_[index].skipped) {
+  const BucketTiming& timing = telemetry_.bucket_completed(index, start, exposed);
+  Bucket& bucket = buckets()[index];
+  if (!bucket.skipped) {
     health_.completed(timing);
   }
   if (sharded_) {
-    release_local_gradients(buckets_[index]);
+    release_local_gradients(bucket);
     return;
   }
-  unpack_bucket(buckets_[index], [used](int64_t param) { return used == nullptr || used[param] != 0; });
+  unpack_bucket(bucket, [used](int64_t param) { return used == nullptr || used[param] != 0; });
 }
 
 // Note [Sharded mode]
@@ -305,29 +299,29 @@ void Reducer::release_local_gradients(Bucket& bucket) {
 // Buckets launch strictly in order, each as soon as it and all before it are
 // complete, so every rank issues the same collectives in the same order.
 void Reducer::launch_ready_buckets() {
-  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
-    Bucket& bucket = buckets_[next_to_launch_++];
+  const size_t count = buckets().size();
+  while (next_to_launch_ < count && progress_[next_to_launch_].pending == 0) {
+    const size_t index = next_to_launch_++;
+    Bucket& bucket = buckets()[index];
     if (bucket.skipped) {
-      bucket.timing.launch_us = now_us();
+      telemetry_.bucket_skipped(index);
       continue;  // no collective: see Note [Skipping unused parameters]
     }
     const double start = now_us();
     pack_bucket(bucket);
-    bucket.timing.launch_us = now_us();
-    bucket.timing.pack_us = bucket.timing.launch_us - start;
+    telemetry_.bucket_launched(index, start);
+    auto& collective = progress_[index].collective;
     if (comm_hook_) {
-      const auto index = static_cast<int64_t>(next_to_launch_ - 1);
-      bucket.collective = comm_hook_(index, next_to_launch_ == buckets_.size(), bucket.flat,
-                                     bucket.views, bucket.params);
+      collective = comm_hook_(static_cast<int64_t>(index), index + 1 == count, bucket.flat,
+                              bucket.views, bucket.params);
     } else {
       // Named as in wait_for_bucket's error: a background failure (the NCCL watchdog) may be
       // raised by a later call, so the transport keeps the name of the bucket that failed.
       const std::string label =
-          c10::str("bucket ", next_to_launch_ - 1, " of ", buckets_.size(), " (",
-                   bucket.params.size(), " parameters, ", megabytes(bucket.bytes), ", first '",
-                   names_[bucket.params.front()], "')");
-      bucket.collective = sharded_ ? transport_->reduce_scatter_sum(bucket.flat, label)
-                                   : transport_->allreduce_sum_labeled(bucket.flat, label);
+          c10::str("bucket ", index, " of ", count, " (", bucket.params.size(), " parameters, ",
+                   megabytes(bucket.bytes), ", first '", names_[bucket.params.front()], "')");
+      collective = sharded_ ? transport_->reduce_scatter_sum(bucket.flat, label)
+                            : transport_->allreduce_sum_labeled(bucket.flat, label);
     }
     health_.launched();  // after the launch: nothing is recorded for a refused one
     launched_this_step_ += 1;
@@ -535,18 +529,18 @@ void Reducer::finalize_backward() {
     finalized_graph_task_ = torch::autograd::get_current_graph_task_id();
     // Locally unused parameters contribute zeros; launch what they held back.
     for (int64_t index : unready) {
-      layout_.bucket_of(index).pending -= 1;
+      progress_[layout_.bucket_index_of(index)].pending -= 1;
     }
     launch_ready_buckets();
     globally_used = allreduce_used_map();
   }
-  TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets_.size(), "every bucket must be launched by now");
+  TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets().size(), "every bucket must be launched by now");
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
   if (used != nullptr && unused_.any_skipped()) {
     unused_.check_skipped_still_unused(used, stats_.step + 1, [this] { wait_for_launched_quietly(); });
   }
-  while (next_to_unpack_ < buckets_.size()) {
+  while (next_to_unpack_ < buckets().size()) {
     finish_bucket(next_to_unpack_++, used, /*exposed=*/true);
   }
 
@@ -610,27 +604,25 @@ void Reducer::record_step(double backward_end, double finalize_end) {
   step.bucket_caps_bytes = options_.bucket_caps_bytes;
   step.last_bucket_bytes = options_.last_bucket_bytes;
   step.reduce_dtype = layout_.in_force().reduce_dtype;  // of the layout this step ran with
-  std::vector<BucketTiming> timings;
   std::vector<char> reduced;
-  for (const auto& bucket : buckets_) {
-    timings.push_back(bucket.timing);
+  for (const auto& bucket : buckets()) {
     reduced.push_back(!bucket.skipped);
   }
-  telemetry_.record_step(std::move(step), timings, reduced, backward_end, finalize_end,
+  telemetry_.record_step(std::move(step), reduced, backward_end, finalize_end,
                          !ready_order_.empty());
 }
 
 void Reducer::wait_for_bucket(size_t index) {
-  Bucket& bucket = buckets_[index];
-  if (!bucket.collective) {
+  if (!progress_[index].collective) {
     return;
   }
-  auto collective = std::move(bucket.collective);
+  auto collective = std::move(progress_[index].collective);
+  const Bucket& bucket = buckets()[index];
   try {
     collective->wait(options_.timeout);
   } catch (const std::exception& e) {
     wait_for_launched_quietly();
-    TORCH_CHECK(false, "FusedReducer: all-reduce of bucket ", index, " of ", buckets_.size(),
+    TORCH_CHECK(false, "FusedReducer: all-reduce of bucket ", index, " of ", buckets().size(),
                 " (", bucket.params.size(), " parameters, ", megabytes(bucket.bytes),
                 ", first '", names_[bucket.params.front()], "') over ", transport_->name(),
                 " failed: ", e.what(),
@@ -640,7 +632,7 @@ void Reducer::wait_for_bucket(size_t index) {
 }
 
 void Reducer::wait_for_launched_quietly() {
-  for (auto& bucket : buckets_) {
+  for (auto& bucket : progress_) {
     if (bucket.collective) {
       try {
         bucket.collective->wait(options_.timeout);
@@ -686,7 +678,12 @@ void Reducer::prepare_forward(bool will_sync) {
   if (rebuild_pending_) {
     // Limits set before the first step apply to it (no order observed yet:
     // reverse registration order, like the initial layout).
-    layout_.rebuild_from_rank0(observed_order(), unused_.skipped(), sharded_);
+    layout_.rebuild_from_rank0(requested_limits(), observed_order(), unused_.skipped(), sharded_);
+    // Every rank keeps rank 0's limits: Note [Persistent limits].
+    const LayoutInForce& agreed = layout_.in_force();
+    options_.bucket_caps_bytes = agreed.bucket_caps_bytes;
+    options_.last_bucket_bytes = agreed.last_bucket_bytes;
+    options_.reduce_dtype = agreed.reduce_dtype;
     rebuild_pending_ = false;
   }
   reset_iteration();
@@ -703,17 +700,25 @@ void Reducer::reset_iteration() {
   launched_this_step_ = 0;
   launched_bytes_this_step_ = 0;
   copy_launches_this_step_ = 0;
-  telemetry_.reset_iteration();
-  for (auto& bucket : buckets_) {
-    bucket.pending = static_cast<int64_t>(bucket.params.size());
-    bucket.collective.reset();
-    bucket.timing = fresh_bucket_timing(bucket.bytes, static_cast<int64_t>(bucket.params.size()));
+  // A new step over the layout in force (a rebuild may have just changed it).
+  progress_.clear();
+  std::vector<int64_t> bytes;
+  std::vector<int64_t> counts;
+  for (const auto& bucket : buckets()) {
+    progress_.push_back({static_cast<int64_t>(bucket.params.size()), nullptr});
+    bytes.push_back(bucket.bytes);
+    counts.push_back(static_cast<int64_t>(bucket.params.size()));
   }
+  telemetry_.reset_iteration(bytes, counts);
   expect_hooks_ = false;
   finished_since_forward_ = false;
   ended_with_unready_ = false;
   decided_unused_.assign(params_.size(), 0);
   finalized_graph_task_ = -1;
+}
+
+LayoutLimits Reducer::requested_limits() const {
+  return {options_.bucket_caps_bytes, options_.last_bucket_bytes, options_.reduce_dtype};
 }
 
 // The last observed ready order, completed with never-ready parameters in

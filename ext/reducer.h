@@ -46,6 +46,13 @@
 
 namespace fused_reducer {
 
+// This step's progress of one bucket of the layout (Bucket, bucket_layout.h): the route's
+// per-step state, reset at every forward; the bucket's timing is the telemetry's.
+struct BucketProgress {
+  int64_t pending = 0;  // its parameters not ready yet
+  std::unique_ptr<PendingCollective> collective;  // launched, not yet waited for
+};
+
 struct ReducerStats {
   int64_t step = 0;             // completed synchronised backward passes
   // The gradients' collectives of the last completed step: one per bucket (and the used map's
@@ -190,6 +197,7 @@ class Reducer {
   void add_pack_job(Bucket& bucket, size_t slot, double scale, std::vector<CopyJob>& jobs);
   void unpack_completed_buckets();
   void finish_bucket(size_t index, const int32_t* used, bool exposed);
+  std::vector<Bucket>& buckets() { return layout_.buckets(); }
   template <typename Keep>
   void unpack_bucket(Bucket& bucket, Keep keep);
   void queue_finalize();
@@ -204,6 +212,7 @@ class Reducer {
   double gradient_scale() const;
   int64_t gradient_divisor() const;
   void reset_iteration();
+  LayoutLimits requested_limits() const;  // the limits and reduce dtype of options_
   at::Tensor allreduce_used_map();  // the global map, readable on the host
   at::Tensor allreduce_health(const at::Tensor& row, const char* what);
   std::vector<int64_t> observed_order() const;
@@ -228,7 +237,6 @@ class Reducer {
   // The units the route calls: the buckets and their layout, the used map and the skipped
   // parameters, the step's times, training health.
   BucketLayout layout_;
-  std::vector<Bucket>& buckets_;  // layout_'s, in launch order
   UnusedParameters unused_;
   StepTelemetry telemetry_;
   StepHealth health_;
@@ -246,6 +254,7 @@ class Reducer {
   int64_t divide_factor_ = 0;             // 0: world size
   CommHook comm_hook_;
   std::vector<char> ready_;
+  std::vector<BucketProgress> progress_;  // per bucket of the layout, in launch order
   bool sharded_ = false;  // Note [Sharded mode]
   std::vector<at::Tensor> released_gradients_;  // Note [Released gradients]
   std::vector<char> packed_;              // gradient already copied into its slot (at its hook)

@@ -210,7 +210,7 @@ ReducerStats Reducer::stats() const {
   stats.bucket_caps_bytes = layout.bucket_caps_bytes;
   stats.last_bucket_bytes = layout.last_bucket_bytes;
   stats.reduce_dtype = layout.reduce_dtype;
-  stats.buckets = static_cast<int64_t>(buckets_.size());
+  stats.buckets = static_cast<int64_t>(layout_.buckets().size());
   stats.transport = transport_->name();
   return stats;
 }

@@ -5,15 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 
 namespace fused_reducer {
 
 StepHealth::StepHealth(HealthOptions options, int rank, int world_size,
-                       const std::vector<at::Tensor>& params,
-                       const std::vector<std::string>& names, AllReduce allreduce)
-    : params_(params),
-      names_(names),
+                       std::vector<at::Tensor> params, std::vector<std::string> names,
+                       AllReduce allreduce)
+    : params_(std::move(params)),
+      names_(std::move(names)),
       health_(options, rank, world_size),
       allreduce_(std::move(allreduce)) {
   const auto device = params_.front().device();

@@ -30,10 +30,9 @@ class StepHealth {
   // `what` names the exchange in its error.
   using AllReduce = std::function<at::Tensor(const at::Tensor& row, const char* what)>;
 
-  // `params` and `names` are the reducer's (non-empty) and outlive this object.
-  StepHealth(HealthOptions options, int rank, int world_size,
-             const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-             AllReduce allreduce);
+  // `params` (non-empty) and `names`: the reducer's parameters (handles) and their names.
+  StepHealth(HealthOptions options, int rank, int world_size, std::vector<at::Tensor> params,
+             std::vector<std::string> names, AllReduce allreduce);
 
   // The step's first gradient hook: its statistics start here.
   void begin_step();
@@ -83,8 +82,8 @@ class StepHealth {
   bool slack_on_device() const;
   void record_stream_event(std::optional<c10::Event>& event) const;
 
-  const std::vector<at::Tensor>& params_;
-  const std::vector<std::string>& names_;
+  const std::vector<at::Tensor> params_;
+  const std::vector<std::string> names_;
   TrainingHealth health_;
   AllReduce allreduce_;
   std::function<void(const std::string&)> nonfinite_handler_;

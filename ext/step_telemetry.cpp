@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -18,35 +19,58 @@ double now_us() {
       .count();
 }
 
-BucketTiming fresh_bucket_timing(int64_t bytes, int64_t params) {
-  BucketTiming timing;
-  timing.bytes = bytes;
-  timing.params = params;
-  timing.ready_first_us = kNaN;
-  timing.ready_last_us = kNaN;
-  return timing;
-}
-
 StepTelemetry::StepTelemetry(size_t params) : params_(params) {}
 
 void StepTelemetry::forward_started() {
   forward_time_ = now_us();
 }
 
-void StepTelemetry::reset_iteration() {
+void StepTelemetry::reset_iteration(const std::vector<int64_t>& bucket_bytes,
+                                    const std::vector<int64_t>& bucket_params) {
   ready_time_.assign(params_, kNaN);
+  buckets_.assign(bucket_bytes.size(), BucketTiming());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].bytes = bucket_bytes[b];
+    buckets_[b].params = bucket_params[b];
+    buckets_[b].ready_first_us = kNaN;  // no parameter of it ready yet
+    buckets_[b].ready_last_us = kNaN;
+  }
 }
 
-void StepTelemetry::gradient_ready(int64_t index, double now, bool first) {
+void StepTelemetry::gradient_ready(int64_t index, size_t bucket, bool first) {
+  const double now = now_us();
   if (first) {
     step_origin_ = now;
   }
   ready_time_[index] = now;
+  BucketTiming& timing = buckets_[bucket];
+  if (std::isnan(timing.ready_first_us)) {
+    timing.ready_first_us = now;
+  }
+  timing.ready_last_us = now;
 }
 
-void StepTelemetry::record_step(StepTiming step, const std::vector<BucketTiming>& buckets,
-                                const std::vector<char>& reduced, double backward_end,
-                                double finalize_end, bool any_ready) {
+void StepTelemetry::bucket_launched(size_t bucket, double pack_start) {
+  BucketTiming& timing = buckets_[bucket];
+  timing.launch_us = now_us();
+  timing.pack_us = timing.launch_us - pack_start;
+}
+
+void StepTelemetry::bucket_skipped(size_t bucket) {
+  buckets_[bucket].launch_us = now_us();
+}
+
+const BucketTiming& StepTelemetry::bucket_completed(size_t bucket, double wait_start,
+                                                    bool exposed) {
+  BucketTiming& timing = buckets_[bucket];
+  timing.complete_us = now_us();
+  timing.wait_us = exposed ? timing.complete_us - wait_start : 0.0;
+  return timing;
+}
+
+void StepTelemetry::record_step(StepTiming step, const std::vector<char>& reduced,
+                                double backward_end, double finalize_end, bool any_ready) {
+  const std::vector<BucketTiming>& buckets = buckets_;
   const double origin = any_ready ? step_origin_ : backward_end;
   step.origin_us = origin;
   step.forward_us = forward_time_ - origin;

@@ -56,9 +56,6 @@ struct StepTiming {
 // Steady-clock microseconds. See Note [Step telemetry].
 double now_us();
 
-// A bucket's timing at the start of an iteration: its size, no instant yet.
-BucketTiming fresh_bucket_timing(int64_t bytes, int64_t params);
-
 class StepTelemetry {
  public:
   explicit StepTelemetry(size_t params);
@@ -66,18 +63,27 @@ class StepTelemetry {
   // The forward that starts a step (prepare_forward).
   void forward_started();
   double forward_time_us() const { return forward_time_; }
-  // A new iteration: no gradient ready yet.
-  void reset_iteration();
-  // Gradient `index` became ready at `now`; `first`: the step's first hook (its origin).
-  void gradient_ready(int64_t index, double now, bool first);
+  // A new iteration over buckets of `bucket_bytes` and `bucket_params` (the layout in force,
+  // in launch order): no gradient ready yet.
+  void reset_iteration(const std::vector<int64_t>& bucket_bytes,
+                       const std::vector<int64_t>& bucket_params);
+  // Gradient `index`, of bucket `bucket`, became ready now; `first`: the step's first hook
+  // (its origin).
+  void gradient_ready(int64_t index, size_t bucket, bool first);
+  // Bucket `bucket`'s collective started now, after a pack that began at `pack_start`
+  // (steady-clock us); a skipped bucket starts none and is marked launched without a pack.
+  void bucket_launched(size_t bucket, double pack_start);
+  void bucket_skipped(size_t bucket);
+  // Bucket `bucket`'s collective completed now; its wait began at `wait_start` and counts as
+  // exposed communication when `exposed` (after backward ended). Returns its timing.
+  const BucketTiming& bucket_completed(size_t bucket, double wait_start, bool exposed);
 
   // Turns this iteration's absolute times into a StepTiming relative to the first hook and
   // keeps it in the ring. `step` carries the step's number and the layout it ran with;
-  // `buckets` are the buckets' absolute timings, `reduced[b]` whether bucket b has a
-  // collective (a skipped one is not counted in the overlap); `any_ready`: some hook ran.
-  void record_step(StepTiming step, const std::vector<BucketTiming>& buckets,
-                   const std::vector<char>& reduced, double backward_end, double finalize_end,
-                   bool any_ready);
+  // `reduced[b]` whether bucket b has a collective (a skipped one is not counted in the
+  // overlap); `any_ready`: some hook ran.
+  void record_step(StepTiming step, const std::vector<char>& reduced, double backward_end,
+                   double finalize_end, bool any_ready);
   // The straggler exchange of the last recorded step (Note [Health exchange]).
   void set_last_lateness(std::vector<double> lateness_ms);
 
@@ -90,6 +96,7 @@ class StepTelemetry {
   double forward_time_ = 0;              // absolute steady-clock us
   double step_origin_ = 0;               // first hook of this iteration
   std::vector<double> ready_time_;       // per parameter, this iteration, absolute
+  std::vector<BucketTiming> buckets_;    // per bucket, this iteration, absolute
   std::vector<double> last_ready_time_;  // per parameter, last completed step, relative
   std::deque<StepTiming> history_;
   size_t trace_capacity_ = 100;

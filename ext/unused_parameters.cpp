@@ -3,11 +3,12 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace fused_reducer {
 
-UnusedParameters::UnusedParameters(const std::vector<std::string>& names)
-    : names_(names), locally_used_(names.size(), 0) {}
+UnusedParameters::UnusedParameters(std::vector<std::string> names)
+    : names_(std::move(names)), locally_used_(names_.size(), 0) {}
 
 void UnusedParameters::clear_used() {
   std::fill(locally_used_.begin(), locally_used_.end(), 0);

@@ -18,8 +18,8 @@ namespace fused_reducer {
 
 class UnusedParameters {
  public:
-  // `names` are the reducer's and outlive this object.
-  explicit UnusedParameters(const std::vector<std::string>& names);
+  // `names`: the reducer's parameters' names.
+  explicit UnusedParameters(std::vector<std::string> names);
 
   // Parameter `index` got a defined gradient (no_sync() steps included: DDP's
   // local_used_map).
@@ -45,7 +45,7 @@ class UnusedParameters {
                                   const std::function<void()>& before_raise) const;
 
  private:
-  const std::vector<std::string>& names_;
+  const std::vector<std::string> names_;
   // Parameters that got a defined gradient since the last synchronised step.
   std::vector<char> locally_used_;
   // Parameters no rank used in the first step, when skip_all_reduce_unused_params.
