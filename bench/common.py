@@ -103,6 +103,64 @@ def ddp_best_kwargs(first_mb, cap_mb, ddp_class=None):
     return kwargs, None
 
 
+# -- FSDP2 (torch's successor of DDP) -------------------------------------------------------------
+class FSDP2Refused(RuntimeError):
+    """torch's FSDP2 would not take the model (e.g. channels_last parameters); the message is
+    torch's own error, for the bench to print in place of the row."""
+
+
+def fsdp2_wrap(module, way, blocks, device_type="cpu", reduce_dtype=None):
+    """The module under torch's FSDP2, applied the way torchtitan does: to each of `blocks` (the
+    model's repeated blocks, bench/models.py fsdp2_blocks) and then to the root, so each block's
+    gradients are reduced as soon as its backward is done (the overlap DDP's buckets give).
+
+    way: 'replicate' = torch.distributed._composable.replicate_with_fsdp.replicate (DDP rebuilt
+    on FSDP2: parameters are DTensors placed Replicate() on a 1-D mesh, one all-reduce per block);
+    'zero2' = torch.distributed.fsdp.fully_shard(reshard_after_forward=False) on a 1-D data-
+    parallel mesh (parameters Shard(0), gradients reduce-scattered, parameters all-gathered in
+    forward and kept unsharded until the next step: ZeRO-2). reduce_dtype goes into
+    MixedPrecisionPolicy(reduce_dtype=...). Raises FSDP2Refused with torch's message where FSDP2
+    rejects the model (NotImplementedError in torch 2.14: non-contiguous, e.g. channels_last,
+    parameters). Returns the module itself (FSDP2 changes its class in place)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    if way == "replicate":
+        apply = lambda m: replicate(m, mesh=mesh, mp_policy=policy)  # noqa: E731
+    elif way == "zero2":
+        apply = lambda m: fully_shard(m, mesh=mesh, mp_policy=policy,  # noqa: E731
+                                      reshard_after_forward=False)
+    else:
+        raise ValueError(f"fsdp2_wrap: way must be 'replicate' or 'zero2', got {way!r}")
+    try:
+        for block in blocks:
+            apply(block)
+        apply(module)
+    except NotImplementedError as e:
+        raise FSDP2Refused(f"{type(e).__name__}: {e}") from None
+    return module
+
+
+def fsdp2_group_bytes(module, blocks):
+    """Bytes of the parameters each FSDP2 group reduces, in backward order as far as blocks go:
+    the blocks (last first), then the root's own (the rest)."""
+    in_blocks = set()
+    sizes = []
+    for block in reversed(blocks):
+        params = list(block.parameters())
+        in_blocks.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
+    rest = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in in_blocks)
+    return sizes + ([rest] if rest else [])
+
+
+def full_tensor(t):
+    """A DTensor (FSDP2's parameters and gradients) as the whole tensor; a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 # -- launching ------------------------------------------------------------------------------------
 @dataclass
 class Context:

@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Resident memory that wrapping and training add: FusedReducer against DDP, per rank, CPU.
+"""Resident memory that wrapping and training add: FusedReducer against DDP (and torch's FSDP2
+replicate), per rank, CPU.
 
     python bench/memory_bench.py                          # every wrapper, gv off and on (~4 min)
     python bench/memory_bench.py --impl fused-shm,ddp --gv off --json bench/out/memory.json
     python bench/memory_bench.py --impl ddp-best,fused-sharded --gv off --optimizer adamw
+    python bench/memory_bench.py --impl ddp-best,fused-shm,fused-sharded,fsdp2-replicate \
+        --gv off --optimizer adamw --changes 0 --layers 24 --hidden 2048
 
 Every (wrapper, gradient_as_bucket_view) pair runs in a fresh pair of gloo ranks (spawned, 2 by
 default), so nothing one wrapper leaves in the allocator is charged to another. Per rank:
@@ -33,6 +36,16 @@ default), so nothing one wrapper leaves in the allocator is charged to another. 
    minus before: the transient cost of a rebuild (with gradient_as_bucket_view the gradients
    move from the old buckets into the new, so both layouts exist for a moment).
 
+fsdp2-replicate is torch's replicate_with_fsdp.replicate applied to each Linear, then to the
+root (as torchtitan applies FSDP2: one group per layer), its optimizer built over its DTensor
+parameters after wrapping (the module's own parameters are replaced, and freed). FSDP2 has no
+gradient_as_bucket_view: it runs with --gv off only.
+
+The parameters after training are compared across the scenarios (each in its own ranks, same
+weights, inputs and optimizer): per tensor the float64 sum and sum of squares of rank 0's
+(FSDP2's whole: DTensor.full_tensor()), against the first scenario's; the largest relative
+difference is printed per row ("params"), and a row above 1e-6 says MISMATCH.
+
 glibc keeps freed memory in its arenas (and after a large block is freed, raises its mmap
 threshold, so later blocks of that size come from the heap): the same bytes can read as resident
 or not depending on what was freed before. Every point is therefore read twice: as is ("raw")
@@ -56,11 +69,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 MiB = 1 << 20
-IMPLS = ("ddp", "ddp-best", "fused-shm", "fused-pg", "fused-sharded")
+IMPLS = ("ddp", "ddp-best", "fused-shm", "fused-pg", "fused-sharded", "fsdp2-replicate")
 DEFAULT_IMPLS = IMPLS[:4]
 IMPL_NAMES = {"ddp": "DDP default", "ddp-best": "DDP best", "fused-shm": "FusedReducer shm",
               "fused-pg": "FusedReducer process_group",
-              "fused-sharded": "FusedReducer shm + ShardedOptimizer"}
+              "fused-sharded": "FusedReducer shm + ShardedOptimizer",
+              "fsdp2-replicate": "FSDP2 replicate"}
+NO_GV = {"fused-sharded": "gradient_as_bucket_view is not supported with a ShardedOptimizer yet",
+         "fsdp2-replicate": "FSDP2 has no gradient_as_bucket_view"}
+PARAM_TOLERANCE = 1e-6  # relative, of the parameters' fingerprints (sum, sum of squares)
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 # The limit changes of the rebuild scenario, cycled: (property, MiB).
 CHANGES = (("bucket_cap_bytes", 10), ("first_bucket_bytes", 16), ("bucket_cap_bytes", 50),
@@ -133,6 +150,9 @@ def build_model(layers, hidden, seed=0):
 
 
 def wrap(impl, module, gv, first_mb=1.0, cap_mb=25.0):
+    if impl == "fsdp2-replicate":  # each Linear, then the root (torchtitan's way)
+        blocks = [m for m in module if isinstance(m, nn.Linear)]
+        return common.fsdp2_wrap(module, "replicate", blocks)
     if impl == "ddp":
         return nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=gv)
     if impl == "ddp-best":
@@ -174,7 +194,7 @@ def load_libraries(gv):
             continue  # ShardedOptimizer does not take gradient_as_bucket_view yet
         tiny = build_model(2, 8)
         model = wrap(impl, tiny, gv)
-        opt = make_optimizer(impl, model, list(tiny.parameters()), "adamw", lr=1e-3)
+        opt = make_optimizer(impl, model, list(model.parameters()), "adamw", lr=1e-3)
         x = torch.randn(2, 8)
         for _ in range(2):
             step(model, opt, x, gv)
@@ -192,16 +212,20 @@ def worker(ctx, args):
     result["baseline"] = point()
     module = build_model(args.layers, args.hidden, args.seed)
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(ctx.rank))
-    opt_params = list(module.parameters())
+    # FSDP2 replaces the module's parameters with DTensors: its optimizer takes those (and the
+    # originals are freed); the others' optimizers take the module's own, listed before "model".
+    opt_params = None if args.impl_now == "fsdp2-replicate" else list(module.parameters())
     result["model"] = point()
     model = wrap(args.impl_now, module, gv, args.first_bucket_mb, args.bucket_cap_mb)
-    opt = make_optimizer(args.impl_now, model, opt_params, args.optimizer)
+    opt = make_optimizer(args.impl_now, model, opt_params or list(model.parameters()),
+                         args.optimizer)
     result["wrapped"] = point()
     reset_peak()
     for _ in range(args.steps):
         step(model, opt, x, gv)
     result["steady"] = point()
     result["train_hwm"] = result["steady"]["raw"]["hwm"]
+    result["fingerprint"] = fingerprint(model)  # after the same steps in every scenario
     if args.impl_now.startswith("fused") and args.changes:
         # As many steps as the changes will take, so that glibc's cache is back at its level of
         # a long run after the trim (autograd's temporaries of a layer's size come from it).
@@ -227,6 +251,23 @@ def worker(ctx, args):
     return 0
 
 
+def fingerprint(model):
+    """Per parameter tensor [float64 sum, float64 sum of squares] of the whole tensor."""
+    out = []
+    with torch.no_grad():
+        for p in model.parameters():
+            t = common.full_tensor(p).double()
+            out.append([t.sum().item(), t.square().sum().item()])
+    return out
+
+
+def fingerprint_difference(a, b):
+    """Largest relative difference of two fingerprints (inf if their shapes differ)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max(abs(x - y) / max(abs(y), 1e-30) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
 # -- the table ------------------------------------------------------------------------------------
 def added(r, key="trimmed", field="rss", frm="model", to="steady"):
     a, b = r[frm][key][field], r[to][key][field]
@@ -248,7 +289,7 @@ def summarise(per_rank):
            "added_pss": worst(lambda r: added(r, field="pss")),
            "wrap": worst(lambda r: added(r, to="wrapped")),
            "train_peak": worst(lambda r: r["train_hwm"] - r["model"]["trimmed"]["rss"]),
-           "buckets": r0.get("buckets")}
+           "buckets": r0.get("buckets"), "fingerprint": r0["fingerprint"]}
     if "after_rebuilds" in r0:
         row.update({
             "retained_raw": worst(lambda r: r["after_rebuilds"]["raw"]["rss"]
@@ -268,7 +309,7 @@ HEAD = ("# wrapper                    gv    added   added   of which  of which  
         "#                                    raw trimmed    private    shared    peak  dflt  best"
         "       raw  trimmed    peak\n"
         "#                                  (MiB)   (MiB)      (MiB)     (MiB)   (MiB)            "
-        "     (MiB)    (MiB)   (MiB)")
+        "     (MiB)    (MiB)   (MiB)   params: max relative difference from the first row's")
 
 
 def ratios(row, rows):
@@ -286,7 +327,9 @@ def format_row(row, rows):
             f"{fmt(row['added_raw'])}{fmt(row['added'])}{fmt(row['added_anon'], 11)}"
             f"{fmt(row['added_shmem'], 10)}{fmt(row['train_peak'])}{fmt(to_default, 6, 3)}"
             f"{fmt(to_best, 6, 3)}{fmt(row.get('retained_raw'), 10)}"
-            f"{fmt(row.get('retained'), 9)}{fmt(row.get('rebuild_peak'), 8)}")
+            f"{fmt(row.get('retained'), 9)}{fmt(row.get('rebuild_peak'), 8)}"
+            f"   params {row['param_difference']:.1e}"
+            + (" MISMATCH" if row["param_difference"] > PARAM_TOLERANCE else ""))
 
 
 def run_scenario(args, impl, gv):
@@ -313,7 +356,9 @@ def build_parser():
                         help="comma list of wrappers: ddp (DDP(model)), ddp-best (DDP with "
                              "batched_grad_copy and the same bucket limits), fused-shm, fused-pg, "
                              "fused-sharded (fused-shm with a ShardedOptimizer of --optimizer; "
-                             "gradient_as_bucket_view off only) (default: all but fused-sharded)")
+                             "gradient_as_bucket_view off only), fsdp2-replicate (torch's "
+                             "replicate_with_fsdp.replicate per Linear, then the root; off only) "
+                             "(default: all but fused-sharded and fsdp2-replicate)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                         help="the optimizer every wrapper trains with (default sgd: no state)")
     parser.add_argument("--gv", choices=("off", "on", "both"), default="both",
@@ -363,13 +408,15 @@ def main(argv=None):
     rows, per_rank_all = [], []
     for gv in gvs:
         for impl in args.impl:
-            if gv and impl == "fused-sharded":
-                print(f"# {impl}: gradient_as_bucket_view is not supported with a "
-                      "ShardedOptimizer yet; skipped", flush=True)
+            if gv and impl in NO_GV:
+                print(f"# {impl}: {NO_GV[impl]}; skipped with gradient_as_bucket_view on",
+                      flush=True)
                 continue
             per_rank = run_scenario(args, impl, gv)
             per_rank_all.append(per_rank)
             rows.append(summarise(per_rank))
+            rows[-1]["param_difference"] = fingerprint_difference(rows[-1]["fingerprint"],
+                                                                  rows[0]["fingerprint"])
             print(format_row(rows[-1], rows), flush=True)
     if args.json:
         common.write_json(args.json, {"meta": {"benchmark": "memory_bench",

@@ -193,6 +193,28 @@ def _llama(layers, hidden):
     return Logits(LlamaForCausalLM(config))
 
 
+def fsdp2_blocks(name, model):
+    """The submodules torch's FSDP2 is applied to before the root (common.fsdp2_wrap), as
+    torchtitan applies it: each repeated block (transformer layer, ResNet block). many-small
+    gets none (the root alone: its layers are 16 KB each, one group per layer would be 200
+    collectives against DDP's 1-2 buckets); the memory bench's Linear stack is bench/memory_bench.py's."""
+    if name == "large":
+        return list(model.blocks)
+    if name.startswith("resnet"):
+        return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+    if name == "gpt2":
+        return list(model.model.transformer.h)
+    if name == "bert":
+        return list(model.model.bert.encoder.layer)
+    if name == "llama":
+        return list(model.model.model.layers)
+    if name == "mobilenet_v2":
+        return list(model.features)
+    if name == "densenet121":
+        return [m for n, m in model.features.named_children() if n.startswith(("denseblock", "transition"))]
+    return []
+
+
 class ModelSpec:
     """A model of the set with its sizes: build() it (seeded) and make its inputs."""
 

@@ -7,10 +7,17 @@ train with AdamW across ranks (issue 23):
     sharded-overlap  the same with overlap_param_gather=True: the all-gathers finish in the
              next forward, module by module
     zero     DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+    fsdp2-zero2  torch's FSDP2: fully_shard(reshard_after_forward=False) on a 1-D data-parallel
+             mesh, applied as torchtitan does (each block, then the root: bench/models.py
+             fsdp2_blocks) + torch.optim.AdamW over its DTensor shards: gradients
+             reduce-scattered, parameters all-gathered in forward and kept until the next step
+             (ZeRO-2). Where FSDP2 refuses a model (channels_last parameters) the output says so
+             with torch's error and the other ways run on.
 
 They run interleaved, one step each per round, on the same model and data; the medians of
 the timed rounds are printed with each rank's optimizer state bytes. The parameters of ddp and
-sharded are compared at the end (they must agree up to the summation order). With
+sharded (and fsdp2-zero2's, whole: DTensor.full_tensor()) are compared at the end (they must
+agree up to the summation order). With
 --float64-reference one more, untimed run (DDP + the optimizer on a float64 copy of the model,
 the same data) is the independent reference both are measured against.
 
@@ -33,10 +40,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fused_reducer  # noqa: E402
-from common import add_launch_args, ddp_best_kwargs, launch, print0  # noqa: E402
-from models import ModelSpec, expand  # noqa: E402
+from common import (FSDP2Refused, add_launch_args, ddp_best_kwargs, fsdp2_wrap,  # noqa: E402
+                    full_tensor, launch, print0)
+from models import ModelSpec, expand, fsdp2_blocks  # noqa: E402
 
-WAYS = ("ddp", "sharded", "sharded-overlap", "zero")
+WAYS = ("ddp", "sharded", "sharded-overlap", "zero", "fsdp2-zero2")
 # --optimizer: AdamW (the default), or SGD with momentum, whose update is linear in the gradient
 # (to tell whether a difference from DDP grows in the model or in the optimizer).
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)),
@@ -44,8 +52,10 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)),
 
 
 def state_bytes(states):
-    return sum(v.numel() * v.element_size() for s in states for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    """Bytes of the optimizer's state tensors held by this rank (a DTensor's local shard)."""
+    local = [v.to_local() if hasattr(v, "to_local") else v
+             for s in states for v in s.values() if torch.is_tensor(v)]
+    return sum(v.numel() * v.element_size() for v in local if v.dim() > 0)
 
 
 def build(way, spec, ctx, args):
@@ -58,6 +68,9 @@ def build(way, spec, ctx, args):
                                            bucket_cap_mb=args.cap_mb, backend=args.transport)
         return model, fused_reducer.ShardedOptimizer(
             model, optimizer_class, overlap_param_gather=way == "sharded-overlap", **kwargs)
+    if way == "fsdp2-zero2":  # raises FSDP2Refused with torch's message (channels_last)
+        model = fsdp2_wrap(module, "zero2", fsdp2_blocks(spec.name, module), ctx.device.type)
+        return model, optimizer_class(model.parameters(), **kwargs)
     ddp_kwargs, why = ddp_best_kwargs(args.first_mb, args.cap_mb)
     if why:
         raise SystemExit(f"sharded_bench: {why}; use --first-mb equal to --cap-mb")
@@ -76,7 +89,8 @@ def optimizer_state(way, opt):
 
 
 def max_difference(a, b):
-    return max((x.double() - y.double()).abs().max().item()
+    """Largest parameter difference of two models (FSDP2's DTensor shards gathered whole)."""
+    return max((full_tensor(x).double() - full_tensor(y).double()).abs().max().item()
                for x, y in zip(a.parameters(), b.parameters()))
 
 
@@ -98,12 +112,18 @@ def worker(ctx, args):
     rows = []
     for name in expand(args.model.split(",")):
         spec = ModelSpec.from_args(name)
-        built = {way: build(way, spec, ctx, args) for way in ways}
+        built, refused = {}, {}
+        for way in ways:
+            try:
+                built[way] = build(way, spec, ctx, args)
+            except FSDP2Refused as e:
+                refused[way] = str(e)
+        run_ways = [way for way in ways if way in built]
         reference = build("f64", spec, ctx, args) if args.float64_reference else None
-        times = {way: [] for way in ways}
+        times = {way: [] for way in run_ways}
         for step in range(args.warmup + args.steps):
             x = spec.input(ctx.rank, step, ctx.device)
-            for way in ways:
+            for way in run_ways:
                 model, opt = built[way]
                 ctx.sync()
                 dist.barrier()
@@ -114,7 +134,7 @@ def worker(ctx, args):
                     times[way].append(time.perf_counter() - start)
             if reference is not None:
                 train_step("f64", *reference, x)
-        states = {way: optimizer_state(way, built[way][1]) for way in ways}
+        states = {way: optimizer_state(way, built[way][1]) for way in run_ways}
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, states)
         ddp, sharded = built["ddp"][0].module, built["sharded"][0].module
@@ -125,11 +145,16 @@ def worker(ctx, args):
         print0(ctx, f"{name} ({params / 1e6:.1f}M parameters, {ctx.world_size} ranks, "
                     f"{transport} transport, {args.warmup + args.steps} steps; "
                     f"max |ddp - sharded| parameter {diff:.2e})")
+        if "fsdp2-zero2" in built:
+            print0(ctx, f"  max |ddp - fsdp2-zero2| parameter "
+                        f"{max_difference(ddp, built['fsdp2-zero2'][0]):.2e}")
         if reference is not None:
             f64 = reference[0].module
             print0(ctx, f"  float64 reference: max |ddp - f64| {max_difference(ddp, f64):.2e}, "
                         f"max |sharded - f64| {max_difference(sharded, f64):.2e}")
-        for way in ways:
+        for way, error in refused.items():
+            print0(ctx, f"  {way:15s} refused by torch: {error}")
+        for way in run_ways:
             per_rank = [g[way] for g in gathered]
             print0(ctx, f"  {way:15s} step {statistics.median(times[way]) * 1e3:8.1f} ms  "
                         f"ratio {statistics.median(times[way]) / base:5.3f}  optimizer state per rank "

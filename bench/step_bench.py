@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Training-step time of FusedReducer against torch DDP on the same synthetic models, with the
-same bucket settings, measured interleaved in one run.
+"""Training-step time of FusedReducer against torch DDP (and torch's FSDP2 replicate, DDP rebuilt
+on FSDP2) on the same models, with the same bucket settings, measured interleaved in one run.
 
     python bench/step_bench.py                                  # CPU: spawns 2 gloo ranks
     python bench/step_bench.py --model large --sweep-first 1,4,16 --sweep-cap 25,100 \\
@@ -45,6 +45,17 @@ code runs: 1 MiB first bucket, 25 MiB cap, a copy per parameter (--no-ddp-defaul
 FusedReducer gets first_bucket_mb= and bucket_cap_mb=. The rows report the layouts (DDP's
 rebuilt_bucket_sizes, FusedReducer.bucket_sizes()) and whether DDP best's and FusedReducer's
 match.
+
+FSDP2 row. 'fsdp2-replicate' is torch's own successor of DDP,
+torch.distributed._composable.replicate_with_fsdp.replicate, applied as torchtitan applies
+FSDP2: to each block of the model (transformer layer, ResNet block; bench/models.py
+fsdp2_blocks), then to the root, on a 1-D mesh of all ranks, so each block's gradients are
+all-reduced when its backward is done (FSDP2 has no bucket limits; its "buckets" column counts
+these groups). Its gradients (DTensors, .full_tensor()) are checked against DDP's like
+FusedReducer's. Where FSDP2 refuses a model (torch 2.14 rejects non-contiguous parameters:
+the channels_last ResNets) the table says so with torch's error instead of a row. Its exposed
+communication is not probed ('-'): its gradients accumulate into unsharded parameters that
+exist only inside its hooks. --no-fsdp2 leaves it out.
 
 Interleaving: timed steps run in rounds of --block steps per wrapper; the rounds cycle through
 every order of the wrappers (DDP,fused / fused,DDP / ...; with the A/A twin or --autotune all 6
@@ -100,7 +111,7 @@ import common  # noqa: E402
 import models as zoo  # noqa: E402  (the model zoo: bench/models.py)
 from models import MODELS, MissingLibrary, ModelSpec  # noqa: E402
 from step.configs import ddp_settings  # noqa: E402
-from step.measure import AA_NAMES, FUSED_KINDS, run_config, summarise  # noqa: E402
+from step.measure import AA_NAMES, FSDP2, FUSED_KINDS, run_config, summarise  # noqa: E402
 from step.plot import heatmap  # noqa: E402
 
 MiB = 1024 * 1024
@@ -108,17 +119,18 @@ MiB = 1024 * 1024
 
 # -- output -------------------------------------------------------------------------------------
 TABLE_HEAD = (
-    "#  first     cap  impl          median      p90  bwd host  colls    MB/step  exposed   ratio  buckets\n"
-    "#  (MiB)   (MiB)                  (ms)     (ms)      (ms)  /step    (1e6 B)     (ms)  /DDP best")
+    "#  first     cap  impl              median      p90  bwd host  colls    MB/step  exposed   ratio  buckets\n"
+    "#  (MiB)   (MiB)                      (ms)     (ms)      (ms)  /step    (1e6 B)     (ms)  /DDP best")
 
 
 def format_row(row):
     mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
     buckets = len(row.get("bucket_sizes") or []) or "-"
-    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<11}"
+    exposed = "-" if row["exposed_comm_ms"] is None else f"{row['exposed_comm_ms']:.2f}"
+    return (f"  {row['first_bucket_mb']:6g}  {row['bucket_cap_mb']:6g}  {row['impl']:<15}"
             f"{row['median_ms']:9.2f}{row['p90_ms']:9.2f}{row['backward_host_ms']:10.2f}"
             f"  {row['collectives_per_step']:5d}"
-            f"  {mb:>9}  {row['exposed_comm_ms']:7.2f}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
+            f"  {mb:>9}  {exposed:>7}  {row['ratio_to_ddp']:6.3f}  {buckets:>7}")
 
 
 
@@ -136,7 +148,7 @@ def worker(ctx, args):
         "benchmark": "step_bench", "steps": args.steps, "warmup": args.warmup,
         "probe_steps": args.probe_steps, "block": args.block, "seed": args.seed,
         "gradient_as_bucket_view": args.grad_as_bucket_view, "aa": args.aa,
-        "autotune": args.autotune,
+        "autotune": args.autotune, "fsdp2": not args.no_fsdp2,
         "reduce_dtype": str(args.reduce_dtype) if args.reduce_dtype is not None else None,
         "step": "zero_grad + forward + loss + backward; slowest rank per step",
         "backward_host": ("host time inside loss.backward() (no device sync in it); slowest rank "
@@ -156,7 +168,7 @@ def worker(ctx, args):
       + ("" if args.no_ddp_default else "); 'ddp_default' = DDP(model), DDP's own limits (1 MiB "
                                         "first bucket, 25 MiB cap)") + "; ratios are to 'ddp'")
 
-    rows, models_info = [], []
+    rows, models_info, refusals = [], [], []
     total = len(specs) * len(configs)
     n = 0
     for spec in specs:
@@ -195,6 +207,15 @@ def worker(ctx, args):
                   + ("match" if fused["layout_match"] else
                      f"DIFFER: DDP {next(r for r in config_rows if r['impl'] == 'ddp')['bucket_sizes']} "
                      f"vs fused {fused['bucket_sizes']}"))
+                fsdp2 = next((r for r in config_rows if r["impl"] == FSDP2), None)
+                if fsdp2 is not None:
+                    frel = fsdp2["grad_max_abs_diff"] / max(fsdp2["grad_max_abs"], 1e-30)
+                    p(f"#   grads {twin} vs {FSDP2}: max abs diff {fsdp2['grad_max_abs_diff']:.2e} "
+                      f"(relative {frel:.1e}{', MISMATCH' if frel > limit else ''})")
+                for impl, error in per_rank[0]["refused"].items():
+                    p(f"  {first_mb:6g}  {cap_mb:6g}  {impl:<15} refused by torch: {error}")
+                    refusals.append({"model": spec.name, "first_bucket_mb": first_mb,
+                                     "bucket_cap_mb": cap_mb, "impl": impl, "error": error})
                 for line in describe_config(config_rows):
                     p(line)
 
@@ -217,6 +238,16 @@ def worker(ctx, args):
                           f"{info['model']}: {f['ratio_to_ddp_hook']:.3f} (90% interval "
                           f"{lo:.3f}-{hi:.3f}); all-reduce bytes per step: FusedReducer "
                           f"{fused_mb(f)} MB, DDP fp32 {fused_mb(ddp_row(rows, f))} MB")
+                f2 = [r for r in rows if r["model"] == info["model"] and r["impl"] == FSDP2
+                      and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
+                if f2:
+                    p(f"# ratio {FSDP2}/DDP median step, {info['model']} (DDP best): "
+                      f"{f2[0]['ratio_to_ddp']:.3f}; FusedReducer/{FSDP2} "
+                      f"{fr[0]['median_ms'] / f2[0]['median_ms']:.3f}")
+                for r in refusals:
+                    if (r["model"], r["first_bucket_mb"], r["bucket_cap_mb"]) == (
+                            info["model"], first_mb, cap_mb):
+                        p(f"# {r['impl']} refused {info['model']}: {r['error']}")
                 tr = [r for r in rows if r["model"] == info["model"] and r["impl"] == "tuned"
                       and r["first_bucket_mb"] == first_mb and r["bucket_cap_mb"] == cap_mb]
                 if tr:
@@ -237,7 +268,7 @@ def worker(ctx, args):
         if args.json:
             common.write_json(args.json, {"meta": meta, "settings": settings, "models": models_info,
                                           "grid": {"first_bucket_mb": firsts, "bucket_cap_mb": caps},
-                                          "rows": rows})
+                                          "rows": rows, "refused": refusals})
             p(f"# wrote {args.json}")
         plot_path = args.plot
         if plot_path is None and args.json and (args.sweep_first or args.sweep_cap):
@@ -281,7 +312,7 @@ def describe_config(config_rows):
         lines.append(f"#   FusedReducer/DDP default {fused['ratio_to_ddp_default']:.3f} (interval "
                      f"{dlo:.3f}-{dhi:.3f}); DDP best/DDP default "
                      f"{by['ddp']['ratio_to_ddp_default']:.3f}")
-    lines.append("#   DDP rows: " + "; ".join(f"{r['impl']} = {r['constructed_as']}"
+    lines.append("#   built as: " + "; ".join(f"{r['impl']} = {r['constructed_as']}"
                                            for r in config_rows if "constructed_as" in r))
     lines.append("#   transports: " + ", ".join(
         f"{name} {by[name]['stats']['transport']}" for name in FUSED_KINDS
@@ -409,6 +440,9 @@ def build_parser():
     r.add_argument("--no-ddp-default", action="store_true",
                    help="leave out the 'ddp_default' row (DDP(model), DDP's own limits), timed "
                         "next to DDP with its best settings ('ddp') by default")
+    r.add_argument("--no-fsdp2", action="store_true",
+                   help="leave out the 'fsdp2-replicate' row (torch's replicate_with_fsdp."
+                        "replicate per block, then the root), timed next to DDP by default")
     r.add_argument("--aa", choices=("ddp", "fused", "none"), default="ddp",
                    help="A/A pair for the noise band: a second DDP (ddp, the default) or "
                         "FusedReducer (fused) interleaved with the others; its median over the "

@@ -232,7 +232,8 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
     assert {"meta", "settings", "models", "grid", "rows"} <= set(data)
     assert data["grid"] == {"first_bucket_mb": [0.001, 1.0], "bucket_cap_mb": [25.0]}
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 3  # models x configs x wrappers (DDP best, DDP default, fused)
+    # models x configs x wrappers (DDP best, DDP default, fused, torch's FSDP2 replicate)
+    assert len(rows) == 2 * 2 * 4
     by_key = {(r["model"], r["first_bucket_mb"], r["impl"]): r for r in rows}
     for model in ("large", "many-small"):
         info = next(m for m in data["models"] if m["model"] == model)
@@ -259,9 +260,24 @@ def test_step_bench_smoke_sweep_json_heatmap(tmp_path):
             assert fused["layout_match"] and fused["grad_max_abs_diff"] <= 1e-6
             # ...and the independent count agrees with FusedReducer's own stats
             assert fused["stats"]["allreduces"] == fused["collectives_per_step"]
+            # FSDP2 replicate: timed in the same rounds, its gradients (DTensors) equal to
+            # DDP's, one all-reduce per group (each block, then the root), every byte once
+            fsdp2 = by_key[(model, first, "fsdp2-replicate")]
+            assert fsdp2["steps"] == 2 and fsdp2["median_ms"] > 0
+            assert fsdp2["grad_max_abs_diff"] <= 1e-6 * max(1.0, fsdp2["grad_max_abs"])
+            assert fsdp2["grad_max_abs"] > 0
+            assert fsdp2["collectives_per_step"] == len(fsdp2["bucket_sizes"])
+            assert sum(fsdp2["bucket_sizes"]) == info["grad_bytes"] == fsdp2["bytes_per_step"]
+            assert fsdp2["ratio_to_ddp"] == pytest.approx(fsdp2["median_ms"] / ddp["median_ms"])
+            assert fsdp2["exposed_comm_ms"] is None  # not probed (the docstring says why)
         # a 1 KiB first bucket splits these models into >= 2 buckets; 1 MiB does not
         assert by_key[(model, 0.001, "fused")]["collectives_per_step"] >= 2
         assert by_key[(model, 1.0, "fused")]["collectives_per_step"] == 1
+    # FSDP2 groups: the large model's 2 blocks and the root's rest; many-small the root alone
+    assert len(by_key[("large", 1.0, "fsdp2-replicate")]["bucket_sizes"]) == 3
+    assert len(by_key[("many-small", 1.0, "fsdp2-replicate")]["bucket_sizes"]) == 1
+    assert "ratio fsdp2-replicate/DDP median step, large" in out
+    assert data["refused"] == []
     assert (tmp_path / "steps.png").read_bytes()[:8] == PNG_MAGIC  # heatmap next to the JSON
 
 
@@ -293,7 +309,13 @@ def test_step_bench_smoke_real_models(tmp_path):
     data = json.loads(out_json.read_text())
     assert [m["model"] for m in data["models"]] == names
     rows = data["rows"]
-    assert len(rows) == 3 * len(names)  # DDP best, DDP default, FusedReducer
+    # DDP best, DDP default, FusedReducer, and FSDP2 replicate except where torch refuses it
+    refused = {r["model"]: r for r in data["refused"]}
+    assert set(refused) == {n for n in names if n.endswith("-cl")}
+    for r in refused.values():  # the channels_last ResNets, with torch's own message
+        assert r["impl"] == "fsdp2-replicate" and "non-contiguous parameters" in r["error"]
+        assert f"fsdp2-replicate refused {r['model']}: NotImplementedError" in res.stdout
+    assert len(rows) == 4 * len(names) - len(refused)
     for info in data["models"]:
         assert info["channels_last"] == info["model"].endswith("-cl")
         ddp, fused = (next(r for r in rows if r["model"] == info["model"] and r["impl"] == impl)
@@ -305,6 +327,11 @@ def test_step_bench_smoke_real_models(tmp_path):
         assert fused["layout_match"] and fused["grad_max_abs_diff"] <= 1e-6 * max(1.0, fused["grad_max_abs"])
         tel = fused["telemetry"]
         assert tel["exposed_ms"] >= 0 and len(tel["buckets"]) == len(fused["bucket_sizes"])
+        if info["model"] not in refused:
+            fsdp2 = next(r for r in rows if r["model"] == info["model"]
+                         and r["impl"] == "fsdp2-replicate")
+            assert fsdp2["grad_max_abs_diff"] <= 1e-6 * max(1.0, fsdp2["grad_max_abs"])
+            assert fsdp2["collectives_per_step"] == len(fsdp2["bucket_sizes"]) > 1
     assert f"ratio FusedReducer/DDP median step, {names[0]}" in res.stdout
     assert "geometric mean of FusedReducer/DDP" in res.stdout or len(names) == 1
 
@@ -315,7 +342,7 @@ def test_step_bench_aa_pair_and_autotune(tmp_path):
     out_json = tmp_path / "aa.json"
     res = run_bench("step_bench.py", "--model", "many-small", "--layers", "6", "--hidden", "16",
                     "--batch", "4", "--steps", "3", "--warmup", "2", "--probe-steps", "1",
-                    "--aa", "fused", "--autotune", "--json", str(out_json), "--quiet")
+                    "--aa", "fused", "--autotune", "--no-fsdp2", "--json", str(out_json), "--quiet")
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out_json.read_text())["rows"]
     by = {r["impl"]: r for r in rows}
@@ -541,7 +568,8 @@ def test_step_bench_models_match_their_description():
 def test_sharded_bench_smoke_float64_reference_and_plot(tmp_path):
     """bench/sharded_bench.py on a small model at 2 ranks: the sharded run is bit-identical to
     DDP's (a sum of two has one order) and as far from the float64 reference; the state per rank
-    is halved; every way is timed; the plot is a PNG. Also the process-group transport, SGD."""
+    is halved; every way is timed, torch's FSDP2 ZeRO-2 too (its parameters, gathered whole, equal
+    to DDP's; its state halved); the plot is a PNG. Also the process-group transport, SGD."""
     png = tmp_path / "sharded.png"
     result = run_bench("sharded_bench.py", "--model", "many-small", "--steps", "2",
                        "--warmup", "1", "--float64-reference", "--plot", str(png))
@@ -554,9 +582,13 @@ def test_sharded_bench_smoke_float64_reference_and_plot(tmp_path):
     assert ddp_f64 == sharded_f64 > 0, out
     states = {line.split()[0]: line.split("per rank ")[1] for line in out.splitlines()
               if "optimizer state per rank" in line}
-    assert set(states) == {"ddp", "sharded", "sharded-overlap", "zero"}, out
+    assert set(states) == {"ddp", "sharded", "sharded-overlap", "zero", "fsdp2-zero2"}, out
+    # torch's FSDP2 ZeRO-2 (fully_shard, reshard_after_forward=False): the same parameters
+    # (gathered whole from its DTensor shards), half the optimizer state per rank
+    assert "max |ddp - fsdp2-zero2| parameter 0.00e+00" in out, out
     ddp_mib, sharded_mib = (float(states[w].split(",")[0]) for w in ("ddp", "sharded"))
     assert abs(sharded_mib - ddp_mib / 2) <= 0.1, states
+    assert float(states["fsdp2-zero2"].split(",")[0]) == sharded_mib, states
     assert png.read_bytes()[:8] == PNG_MAGIC
     result = run_bench("sharded_bench.py", "--model", "many-small", "--steps", "1",
                        "--warmup", "0", "--ways", "ddp,sharded", "--transport", "process_group",
@@ -565,6 +597,24 @@ def test_sharded_bench_smoke_float64_reference_and_plot(tmp_path):
     assert "process_group transport" in result.stdout, result.stdout
     assert "max |ddp - sharded| parameter 0.00e+00" in result.stdout, result.stdout
     assert "zero" not in result.stdout.split("parameter 0.00e+00")[1], result.stdout
+
+
+def test_memory_bench_fsdp2_replicate_trains_to_ddp_best_parameters(tmp_path):
+    """bench/memory_bench.py with torch's FSDP2 replicate beside DDP best (each in its own ranks,
+    tiny model, AdamW): both rows are measured, FSDP2's parameters after training (DTensors,
+    gathered whole) have DDP best's fingerprint, and the JSON says so."""
+    out_json = tmp_path / "memory.json"
+    res = run_bench("memory_bench.py", "--impl", "ddp-best,fsdp2-replicate", "--gv", "off",
+                    "--layers", "2", "--hidden", "64", "--steps", "2", "--changes", "0",
+                    "--optimizer", "adamw", "--json", str(out_json), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "FSDP2 replicate" in res.stdout and "MISMATCH" not in res.stdout, res.stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["ddp-best", "fsdp2-replicate"]
+    ddp, fsdp2 = rows
+    assert len(fsdp2["fingerprint"]) == len(ddp["fingerprint"]) == 4  # 2 x (weight, bias)
+    assert fsdp2["param_difference"] <= 1e-6 and ddp["param_difference"] == 0.0
+    assert fsdp2["added"] is not None and fsdp2["train_peak"] > 0
 
 
 def test_large_models_bench_smoke_counts_and_matches_ddp(tmp_path):

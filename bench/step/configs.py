@@ -1,11 +1,13 @@
 """The configurations step_bench.py compares: DDP with the run's bucket limits (DDP's best
 settings where this torch takes them), DDP as constructed by default, DDP with a compress hook
-(--reduce-dtype), and FusedReducer; and how each reports its bucket layout."""
+(--reduce-dtype), torch's FSDP2 replicate (DDP rebuilt on FSDP2), and FusedReducer; and how each
+reports its bucket layout."""
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import common
+from models import fsdp2_blocks
 
 MiB = 1024 * 1024
 
@@ -74,6 +76,18 @@ def make_fused(module, first_mb, cap_mb, grad_as_view, autotune=False, reduce_dt
     return FusedReducer(module, bucket_cap_mb=cap_mb * factor, first_bucket_mb=first_mb * factor,
                         gradient_as_bucket_view=grad_as_view, autotune=autotune,
                         reduce_dtype=reduce_dtype, backend=backend)
+
+
+def make_fsdp2_replicate(spec, ctx, reduce_dtype=None):
+    """(model, group bytes): torch's replicate_with_fsdp.replicate applied torchtitan's way, to
+    each block of the model (bench/models.py fsdp2_blocks) and then to the root, on a 1-D mesh
+    of all ranks; with a reduce_dtype through MixedPrecisionPolicy(reduce_dtype=...). FSDP2 has
+    no bucket limits: its groups are the blocks. Raises common.FSDP2Refused with torch's message
+    where it rejects the model (channels_last parameters)."""
+    module = spec.build(ctx.device)
+    blocks = fsdp2_blocks(spec.name, module)
+    groups = common.fsdp2_group_bytes(module, blocks)
+    return common.fsdp2_wrap(module, "replicate", blocks, ctx.device.type, reduce_dtype), groups
 
 
 def fused_bytes_as_fp32(fused, reduce_dtype):

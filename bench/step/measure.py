@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import common
 from step.configs import (ddp_layout, fused_bytes_as_fp32, make_ddp, make_ddp_default,
-                          make_ddp_hook, make_fused)
+                          make_ddp_hook, make_fsdp2_replicate, make_fused)
 
 MiB = 1024 * 1024
 
@@ -153,6 +153,7 @@ def count_collectives(ctx, model, x, grad_as_view):
 # -- one configuration --------------------------------------------------------------------------
 AA_NAMES = {"ddp": "ddp_aa", "fused": "fused_aa"}
 FUSED_KINDS = ("fused", "fused_aa", "fused_pg", "tuned")
+FSDP2 = "fsdp2-replicate"  # torch's replicate_with_fsdp.replicate (DDP rebuilt on FSDP2)
 
 
 def fused_telemetry(history):
@@ -201,6 +202,14 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     if rd is not None:
         twin = make_ddp_hook(spec.build(ctx.device), ctx, first_mb, cap_mb, gv, rd)
         variants.append(("ddp_hook", twin))
+    refused = {}  # impl -> torch's error, where it would not take the model
+    fsdp2 = fsdp2_groups = None
+    if not args.no_fsdp2:  # torch's own successor of DDP, same model, same inputs
+        try:
+            fsdp2, fsdp2_groups = make_fsdp2_replicate(spec, ctx, reduce_dtype=rd)
+            variants.append((FSDP2, fsdp2))
+        except common.FSDP2Refused as e:
+            refused[FSDP2] = str(e)
     if args.aa == "ddp":  # A/A: a second, identical DDP, timed the same way (the noise band)
         variants.append(("ddp_aa", make_ddp(spec.build(ctx.device), ctx, first_mb, cap_mb, gv)))
     elif args.aa == "fused":
@@ -249,6 +258,11 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     for a, b in zip(twin.module.parameters(), fused.module.parameters()):
         diff = max(diff, (a.grad - b.grad).abs().max().item())
         scale = max(scale, a.grad.abs().max().item())
+    fsdp2_diff = None
+    if fsdp2 is not None:  # FSDP2's parameters and gradients are DTensors: compare the whole
+        train_step(ctx, fsdp2, x, gv)
+        fsdp2_diff = max((a.grad - common.full_tensor(b.grad)).abs().max().item()
+                         for a, b in zip(twin.module.parameters(), fsdp2.parameters()))
 
     # Timed steps, interleaved in blocks, cycling through the orders (round_order). FusedReducer keeps the
     # telemetry of every timed step (its history ring is sized to hold them).
@@ -284,6 +298,12 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
 
     exposed, collectives = {}, {}
     for name, model in variants:
+        if name == FSDP2:
+            # Not probed: FSDP2's gradients accumulate in unsharded parameters that exist only
+            # inside its hooks (its DTensor parameters get theirs assigned, no hook fires there).
+            exposed[name] = []
+            collectives[name] = count_collectives(ctx, model, next_input(), gv)
+            continue
         clock = LastGradClock(ctx, [p for p in _module(model).parameters() if p.requires_grad])
         try:
             exposed[name] = []
@@ -299,6 +319,8 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
     result = {"times": times, "backward_host": backward_host, "exposed": exposed, "collectives": collectives,
               "telemetry": telemetry,
               "grad_max_abs_diff": diff, "grad_max_abs": scale,
+              "fsdp2_grad_max_abs_diff": fsdp2_diff, "fsdp2_groups": fsdp2_groups,
+              "refused": refused,
               "ddp_buckets": ddp_layout(ddp),
               "ddp_layouts": {name: ddp_layout(model) for name, model in variants
                               if name.startswith("ddp")},
@@ -312,7 +334,7 @@ def run_config(ctx, args, spec, first_mb, cap_mb, progress, label):
         result["autotune"] = {"report": tuned.autotune_report(), "tune_steps": tune_steps,
                               "limits": [tuned.first_bucket_bytes, tuned.bucket_cap_bytes,
                                          tuned.last_bucket_bytes]}
-    del ddp, fused, tuned, variants
+    del ddp, fused, tuned, fsdp2, variants
     gc.collect()
     return result
 
@@ -445,6 +467,12 @@ def summarise(per_rank, spec_info, first_mb, cap_mb, world):
             row["bucket_sizes"] = per_rank[0]["fr_buckets"][name]
             row["stats"] = stats
             row["telemetry"] = _telemetry_summary(per_rank, name)
+        if name == FSDP2:
+            row["bucket_sizes"] = per_rank[0]["fsdp2_groups"]
+            row["constructed_as"] = ("replicate_with_fsdp.replicate(block) for each block, "
+                                     "then replicate(model), 1-D mesh")
+            row["grad_max_abs_diff"] = max(r["fsdp2_grad_max_abs_diff"] for r in per_rank)
+            row["grad_max_abs"] = max(r["grad_max_abs"] for r in per_rank)
         if name == "tuned":
             row["autotune"] = per_rank[0]["autotune"]
         rows[name] = row
