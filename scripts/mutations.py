@@ -705,7 +705,7 @@ MUTATIONS = [
     ),
     dict(
         id="lightning-timeout-dropped",
-        file="python/fused_reducer/integrations/lightning.py",
+        file="python/fused_reducer/lightning.py",
         edits=[('                reducer_kwargs.setdefault("timeout", timeout)',
                 '                pass')],
         why="FusedReducerStrategy(timeout=...) never reaches the reducer: a dead peer is waited for 10 minutes instead of the user's timeout",
