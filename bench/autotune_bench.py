@@ -90,7 +90,7 @@ def set_limits(model, candidate):
 
 def sweep_candidates(model):
     """The configurations the tuner ranks: its grid, one per distinct layout (rank 0's order)."""
-    from fused_reducer.autotune import ParamInfo, candidate_grid
+    from fused_reducer.tuning.autotune import ParamInfo, candidate_grid
     info = ParamInfo([p for p in model.module.parameters() if p.requires_grad])
     incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
     box = [list(model._reducer.last_ready_order())]

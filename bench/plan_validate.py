@@ -188,8 +188,8 @@ def measure_worker(ctx, args):
 
 # -- compare --------------------------------------------------------------------------------------
 def compare(args):
-    from fused_reducer.plan import Planner, build_network
-    from fused_reducer.profile import load_profile
+    from fused_reducer.tuning.plan import Planner, build_network
+    from fused_reducer.tuning.profile import load_profile
 
     with open(args.sweep) as f:
         sweep = json.load(f)
@@ -403,7 +403,7 @@ def plot(path, cells, summary, world):
 
 
 def _overlap(text):
-    from fused_reducer.plan import _overlap as parse
+    from fused_reducer.tuning.plan import _overlap as parse
     return parse(text)
 
 
@@ -455,8 +455,8 @@ def main(argv=None):
     if args.command in ("record", "measure"):
         os.makedirs(args.out, exist_ok=True)
         return common.launch(record_worker if args.command == "record" else measure_worker, args)
-    from fused_reducer.plan import PlanInputError
-    from fused_reducer.profile import ProfileError
+    from fused_reducer.tuning.plan import PlanInputError
+    from fused_reducer.tuning.profile import ProfileError
     try:
         return compare(args)
     except (PlanInputError, ProfileError) as e:

@@ -705,11 +705,38 @@ MUTATIONS = [
     ),
     dict(
         id="lightning-timeout-dropped",
-        file="python/fused_reducer/integrations/lightning.py",
+        file="python/fused_reducer/lightning.py",
         edits=[('                reducer_kwargs.setdefault("timeout", timeout)',
                 '                pass')],
         why="FusedReducerStrategy(timeout=...) never reaches the reducer: a dead peer is waited for 10 minutes instead of the user's timeout",
         tests=[LIGHTNING + "test_lightning_strategy_timeout_reaches_the_reducer_and_its_transport"],
+    ),
+    # -- the import graph (tests/test_import_layers.py) --------------------------------------------
+    dict(
+        id="import-circle-lazy",
+        file="python/fused_reducer/core/module_states.py",
+        edits=[("    ignored = _ignored(module)\n    states = [",
+                "    from .wrapper import FusedReducer  # unwrap a wrapped model\n"
+                "    module = module.module if isinstance(module, FusedReducer) else module\n"
+                "    ignored = _ignored(module)\n    states = [")],
+        why="a lazy import inside a function closes a circle (core.wrapper -> core.module_states -> core.wrapper): it imports today, and the next top-level import on that circle fails with a partly initialised module",
+        tests=["tests/test_import_layers.py::test_package_modules_import_each_other_without_a_circle"],
+    ),
+    dict(
+        id="import-chain-too-deep",
+        file="python/fused_reducer/tuning/costmodel.py",
+        edits=[("        from .. import _C\n", "        from ..core.wrapper import _C\n")],
+        why="the cost model reaches the extension through the module wrapper: the planner's chain (fused_reducer -> autotune -> plan -> profile -> probe -> costmodel) grows by the whole core, 9 modules deep",
+        tests=["tests/test_import_layers.py::test_longest_import_chain_is_at_most_six_modules"],
+    ),
+    dict(
+        id="root-module-an-alias",
+        file="python/fused_reducer/plan.py",
+        edits=[('if __name__ == "__main__":\n    sys.exit(main())\n',
+                'if __name__ == "__main__":\n    sys.exit(main())\n'
+                'from .tuning import plan as _module\n\nsys.modules[__name__] = _module\n')],
+        why="fused_reducer.plan made a sys.modules alias of tuning/plan.py again: the root's entry point is no longer a module of its own (its __all__ and file are tuning/plan.py's)",
+        tests=["tests/test_import_layers.py::test_the_root_holds_the_base_and_the_entry_points_each_a_real_module"],
     ),
     dict(
         id="profile-stretch-inverted",

@@ -1,10 +1,10 @@
 """Mutation entries for one area (issue 38); same format as scripts/mutations.py's MUTATIONS:
-what export_profile records across ranks, fused_reducer.elastic's store keys and attribution,
-and the Hugging Face Trainer adapter's checkpoints of a ShardedOptimizer."""
+what export_profile records across ranks, fused_reducer.transports.elastic's store keys and
+attribution, and the Hugging Face Trainer adapter's checkpoints of a ShardedOptimizer."""
 
 PROFILE = "python/fused_reducer/tuning/profile.py"
 ELASTIC = "python/fused_reducer/transports/elastic.py"
-HF = "python/fused_reducer/integrations/transformers.py"
+HF = "python/fused_reducer/transformers.py"
 PE = "tests/test_profile_export.py::"
 EL = "tests/test_elastic.py::"
 HFT = "tests/test_hf.py::"
@@ -80,7 +80,7 @@ MUTATIONS = [
             "the planner's recorded layout puts the big late bucket first",
         tests=[PE + "test_profile_params_and_buckets_are_the_reduced_parameters_with_their_measured_sizes"],
     ),
-    # -- fused_reducer.elastic ---------------------------------------------------------------------
+    # -- fused_reducer.transports.elastic ----------------------------------------------------------
     dict(
         id="elastic-removes-one-key-too-few",
         file=ELASTIC,

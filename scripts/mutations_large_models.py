@@ -1,14 +1,14 @@
 """Mutation entries for large models (issue 40); same format as scripts/mutations.py's
 MUTATIONS. The code: python/fused_reducer/core/tensor_parallel.py (Note [DTensor parameters]),
 the re-arm of several forwards before their backwards in core/wrapper.py (Note [Several forwards
-before their backwards]) and fused_reducer.pipelining's stage (integrations/pipelining.py, Note
+before their backwards]) and fused_reducer.pipelining's stage (pipelining.py, Note
 [Split backward]); tests in tests/test_tensor_parallel.py, tests/test_forwards_before_backwards.py
 tests/test_pipeline_parallel.py and tests/test_3d_parallel.py.
 """
 
 TP_PY = "python/fused_reducer/core/tensor_parallel.py"
 WRAPPER_PY = "python/fused_reducer/core/wrapper.py"
-PIPELINING_PY = "python/fused_reducer/integrations/pipelining.py"
+PIPELINING_PY = "python/fused_reducer/pipelining.py"
 AUTOTUNE_PY = "python/fused_reducer/tuning/autotune.py"
 TP = "tests/test_tensor_parallel.py::"
 FB = "tests/test_forwards_before_backwards.py::"

@@ -10,8 +10,8 @@ and attempt 1 resumes from the checkpoint to the end. Set-ups:
   standalone        torchrun --standalone --nproc-per-node 2 (one agent)
   two-nodes         two torchrun agents on loopback as two nodes (--nnodes 2, c10d rendezvous)
 each run as a user has it ("plain": the restarted workers meet torchrun's store with the dead
-attempt's keys in it) and, on one node, with fused_reducer.elastic.forget_dead_attempt_keys()
-before init_process_group ("scrubbed", the test suite's set-up; pytorch/pytorch#135712).
+attempt's keys in it) and, on one node, with
+fused_reducer.transports.elastic.forget_dead_attempt_keys() before init_process_group ("scrubbed", the test suite's set-up; pytorch/pytorch#135712).
 
 Each run gets one verdict:
   resumed           every launcher exited 0, both ranks of attempt 1 trained to the end

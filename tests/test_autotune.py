@@ -556,7 +556,7 @@ class _StubModel:
 def _one_trial_samples(monkeypatch, device, steps=3):
     """Runs the tuner on a stub model on `device` through one trial of `steps` timed steps
     (after the warm-up step); returns its samples (ms)."""
-    from fused_reducer import autotune
+    from fused_reducer.tuning import autotune
     monkeypatch.setattr(autotune.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(autotune.dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(autotune.dist, "broadcast_object_list", lambda box, **kwargs: None)
@@ -583,14 +583,14 @@ def _one_trial_samples(monkeypatch, device, steps=3):
 
 
 def test_step_clock_follows_the_device():
-    from fused_reducer import autotune
+    from fused_reducer.tuning import autotune
     assert isinstance(autotune.step_clock(torch.device("cpu")), autotune.HostClock)
     assert isinstance(autotune.step_clock("cuda:1"), autotune.CudaClock)
     assert autotune.step_clock("cuda:1").device == torch.device("cuda", 1)
 
 
 def test_cpu_trials_are_timed_by_the_host_clock(monkeypatch):
-    from fused_reducer import autotune
+    from fused_reducer.tuning import autotune
     ticks = iter([0.0, 1.0, 3.0, 6.0, 10.0])  # forwards at these host times (s)
     monkeypatch.setattr(autotune.time, "perf_counter", lambda: next(ticks))
     assert _one_trial_samples(monkeypatch, "cpu") == [2000.0, 3000.0, 4000.0]
@@ -600,7 +600,7 @@ def test_cuda_trials_are_timed_by_events_on_the_current_stream(monkeypatch):
     """Each forward records an event on the model's current stream (no host sync); the trial's
     samples are the events' elapsed times, read at its end after the later event is done. Host
     gaps between forwards (perf_counter) must not be the measure."""
-    from fused_reducer import autotune
+    from fused_reducer.tuning import autotune
     calls = []
 
     class FakeEvent:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fused_reducer
-from fused_reducer.transport import resolve_backend
+from fused_reducer.transports.transport import resolve_backend
 
 
 def test_auto_tries_shared_memory_for_cpu_parameters():

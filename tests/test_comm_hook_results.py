@@ -36,7 +36,7 @@ def check_hook_future_holding_a_list(rank, world):
                 loss_of(m(x), y, rank).backward()
         res = outcome(train)
         if res[0] == "raised":
-            from fused_reducer.reducer import FusedReducerError
+            from fused_reducer.core.wrapper import FusedReducerError
             res = res + (res[1] == FusedReducerError.__name__,)
         out[kind] = res
         dist.barrier()

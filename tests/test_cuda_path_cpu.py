@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_reducer
-from fused_reducer import reducer as reducer_module
-from fused_reducer import transport as transport_module
-from fused_reducer.transport import shared_gpus
+from fused_reducer.core import wrapper as reducer_module
+from fused_reducer.transports import transport as transport_module
+from fused_reducer.transports.transport import shared_gpus
 from dist_utils import per_rank, run_checks
 
 
@@ -40,7 +40,7 @@ def test_shared_gpus_groups_ranks_by_host_and_physical_gpu():
 
 
 def check_shared_gpu_refused(rank, world_size):
-    from fused_reducer.transport import check_one_rank_per_gpu
+    from fused_reducer.transports.transport import check_one_rank_per_gpu
     try:
         check_one_rank_per_gpu(dist.group.WORLD, None, identity=("node7", "cuda:0", "GPU-abc"))
     except RuntimeError as e:
@@ -235,7 +235,7 @@ def test_close_is_final_and_idempotent_and_no_cycle_keeps_a_reducer_alive(outcom
         assert r["forward_after_close"] and "closed" in r["forward_after_close"], r
 
 
-# -- one NCCL communicator (issue 21 item 3): see Note [One NCCL communicator] in reducer.py -------
+# -- one NCCL communicator (issue 21 item 3): see Note [One NCCL communicator] in core/validation.py
 
 @contextmanager
 def nccl_stand_ins(gloo_groups=()):

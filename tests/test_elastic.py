@@ -1,4 +1,4 @@
-"""fused_reducer.elastic (issue 29 item 4): a restarted torchrun attempt whose process group
+"""fused_reducer.transports.elastic: a restarted torchrun attempt whose process group
 fails at FusedReducer's first collective says that the failure is torch's (pytorch#135712) and
 what to do; outside a restart the error is left as it is. The end-to-end restarts, with DDP beside
 FusedReducer, are tests/test_torchrun_restart.py (which removes the dead keys with
@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fused_reducer
-import fused_reducer.elastic as elastic
-import fused_reducer.reducer as reducer_module
+import fused_reducer.transports.elastic as elastic
+import fused_reducer.core.wrapper as reducer_module
 from fused_reducer.testing.launch import reserved_port
 
 RESTARTED = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -134,7 +134,7 @@ def test_forget_dead_attempt_keys_removes_exactly_torchs_group_keys_of_the_dead_
     dist.init_process_group("gloo")
     message = elastic.restart_failure(RuntimeError("Connection refused"))
     assert "restarted attempt 1" in message and "other ranks' logs" in message, message
-    assert "call fused_reducer.elastic.forget_dead_attempt_keys()" not in message, message
+    assert "call fused_reducer.transports.elastic.forget_dead_attempt_keys()" not in message, message
 
 
 def test_forget_dead_attempt_keys_refuses_several_agents_and_leaves_the_store_alone(

@@ -32,7 +32,7 @@ MODEL_ERROR = "FusedReducerError"
 
 
 def test_model_errors_are_runtime_and_value_errors():
-    from fused_reducer.reducer import FusedReducerError
+    from fused_reducer.core.wrapper import FusedReducerError
     assert issubclass(FusedReducerError, RuntimeError) and issubclass(FusedReducerError, ValueError)
 
 

@@ -99,7 +99,7 @@ def check_trainer_pair(fused, ddp, trainer_name, find_unused_parameters=True):
     for rank in range(2):
         assert fused[rank]["wrapped"] == "FusedReducer"  # trainer.model_wrapped
         assert fused[rank]["trainer"] == trainer_name
-        assert fused[rank]["accelerator"] == "fused_reducer.integrations.accelerate"
+        assert fused[rank]["accelerator"] == "fused_reducer.accelerate"
         assert ddp[rank]["wrapped"] == "DistributedDataParallel"
         # The Trainer's default for a PreTrainedModel (False with gradient checkpointing),
         # passed on as to DDP.

@@ -58,7 +58,7 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
     """No spawn: FusedReducer's join hook on a stand-in model. Per shadowed step a joined rank
     issues what a training rank's backward issues, in the same order (DDP's join hook: one
     all-reduce per bucket, then the unused-parameter map with find_unused_parameters)."""
-    from fused_reducer import join as join_module
+    from fused_reducer.core import join as join_module
     from fused_reducer.core.attachment import Attachment
 
     class StandIn:  # the wrapper's attributes the attachment reads (weakly referenced)

@@ -30,7 +30,7 @@ MiB = 1 << 20
 # -- cost model: hand-computed figures -----------------------------------------------------------
 
 def network(intra_hop=2.0, intra_bw=1e5, inter_hop=10.0, inter_bw=5e4, per_node=8, launch=5.0):
-    from fused_reducer.costmodel import Link, Network
+    from fused_reducer.tuning.costmodel import Link, Network
     return Network(Link("intra", intra_hop, bytes_per_us=intra_bw),
                    Link("inter", inter_hop, bytes_per_us=inter_bw, per_node=per_node), launch)
 
@@ -62,7 +62,7 @@ def test_across_nodes_ring_pays_inter_hops_and_tree_log2_nodes_latency_terms():
 def test_tree_latency_for_a_node_count_not_a_power_of_two_is_floor_log2_inter_hops(nodes):
     """docs/PLANNING.md and costmodel.py: tree = launch + 2 x ((G-1) intra hops
     + floor(log2 N) inter hops) + 2 x S / busbw. Slip: ceil or round of log2 N."""
-    from fused_reducer.costmodel import Link, Network
+    from fused_reducer.tuning.costmodel import Link, Network
     per_node, launch, intra_hop, inter_hop = 8, 5.0, 2.0, 10.0
     net = Network(Link("intra", intra_hop, bytes_per_us=1e5),
                   Link("inter", inter_hop, bytes_per_us=5e4, per_node=per_node), launch)
@@ -84,7 +84,7 @@ def test_the_slower_of_intra_link_and_node_network_limits_the_bus_bandwidth():
 
 
 def test_topology_is_checked():
-    from fused_reducer.costmodel import check_topology
+    from fused_reducer.tuning.costmodel import check_topology
     with pytest.raises(ValueError, match="got 1"):
         check_topology(1, 1)
     with pytest.raises(ValueError, match="3 GPUs per node do not divide world size 8"):
@@ -92,7 +92,7 @@ def test_topology_is_checked():
 
 
 def test_timeline_launches_in_order_one_collective_at_a_time():
-    from fused_reducer.costmodel import CostModel
+    from fused_reducer.tuning.costmodel import CostModel
     cost = CostModel(lambda n: 10 + n / 100, copy_bytes_per_us=1e9)  # copies ~free
     sizes = [1000, 1000, 2000]
     ready = [5.0, 50.0, 20.0]
@@ -115,7 +115,7 @@ def test_a_transport_without_progress_during_backward_runs_everything_after_it()
     """CostModel's progress: the transport's speed while backward computes, as a share of its
     speed after. The timeline of test_timeline_launches_in_order_one_collective_at_a_time at
     progress 0 (CPU ranks whose transport threads get no core until backward ends) and 0.5."""
-    from fused_reducer.costmodel import CostModel
+    from fused_reducer.tuning.costmodel import CostModel
     sizes, ready = [1000, 1000, 2000], [5.0, 50.0, 20.0]
     stalled = CostModel(lambda n: 10 + n / 100, 1e9, progress=0.0).simulate(
         ((0, 2), (1,)), sizes, ready, 70.0)
@@ -139,7 +139,7 @@ def test_progress_and_copy_back_are_measured_from_the_recorded_step():
     """A profile with timing.late_bytes (the bytes unpacked after backward, measured): the
     planner finds the progress at which the recorded layout's simulated communication after
     backward equals the measured waits, and scales the copy back by the measured late bytes."""
-    from fused_reducer.plan import Planner
+    from fused_reducer.tuning.plan import Planner
 
     # a slow link, calibrated on the host the profile was recorded on ("test")
     net = network(intra_bw=2e3)
@@ -157,7 +157,7 @@ def test_progress_and_copy_back_are_measured_from_the_recorded_step():
         # host) keeps full speed
         assert Planner(p, net, overlap="contended").progress == 1.0
     # in between: the fitted progress reproduces the measured waits
-    from fused_reducer.costmodel import CostModel
+    from fused_reducer.tuning.costmodel import CostModel
     recorded = net.collective(2, 2)
     compute = Planner(profile, net, overlap="free").compute
 
@@ -183,8 +183,8 @@ def test_buckets_after_the_first_late_one_wait_for_the_ranks_copy_backs():
     """Planner.wait_share: from the recorded step's buckets copied back after backward, how much
     longer each after the first waited than its collective, per unit of the copy back before
     it; predict_step charges that share of every late bucket's copy back but the last."""
-    from fused_reducer.costmodel import StepCompute, predict_step
-    from fused_reducer.plan import Planner
+    from fused_reducer.tuning.costmodel import StepCompute, predict_step
+    from fused_reducer.tuning.plan import Planner
 
     net = network(intra_bw=2e3)
     here = {2: {"hostname": "test"}}
@@ -223,7 +223,7 @@ def test_buckets_after_the_first_late_one_wait_for_the_ranks_copy_backs():
 
 
 def test_step_adds_forward_copy_back_and_rest():
-    from fused_reducer.costmodel import StepCompute, predict_step
+    from fused_reducer.tuning.costmodel import StepCompute, predict_step
     compute = StepCompute(100.0, [5.0, 50.0, 20.0], 70.0, 7.0, 3.0, 1e9)
     free = predict_step(compute, ((0, 2), (1,)), [1000, 1000, 2000], lambda n: 10 + n / 100)
     assert free.step_us == pytest.approx(100 + 80 + 7 + 3, abs=1e-3)
@@ -243,7 +243,7 @@ def test_step_adds_forward_copy_back_and_rest():
 def test_sharded_mode_is_a_ring_pass_in_backward_plus_an_exposed_all_gather():
     """ShardedOptimizer: reduce-scatter and all-gather are each half of the ring all-reduce
     (world - 1 steps of 1/world); the all-gather runs after the step, exposed."""
-    from fused_reducer.costmodel import StepCompute, predict_sharded_step
+    from fused_reducer.tuning.costmodel import StepCompute, predict_sharded_step
     net = network()
     # 8 ranks, 1 node, 1 MB: 5 + 7 hops * 2 us + 7/8 * 1e6 / 1e5 = 27.75 us
     assert net.ring_pass_us(1e6, 8, 8) == pytest.approx(27.75)
@@ -259,7 +259,7 @@ def test_sharded_mode_is_a_ring_pass_in_backward_plus_an_exposed_all_gather():
 
 
 def test_calibration_reproduces_its_measurements_and_fits_launch_and_hop_across_worlds():
-    from fused_reducer.costmodel import calibrated_network
+    from fused_reducer.tuning.costmodel import calibrated_network
     launch, hop, bw = 20.0, 30.0, 1000.0
 
     def measured(n, s):
@@ -286,7 +286,7 @@ def test_calibration_reproduces_its_measurements_and_fits_launch_and_hop_across_
 # -- one model ------------------------------------------------------------------------------------
 
 def test_planner_and_autotuner_share_one_cost_model(monkeypatch, tmp_path):
-    from fused_reducer import autotune, costmodel, plan
+    from fused_reducer.tuning import autotune, costmodel, plan
     assert autotune.CostModel is costmodel.CostModel
     assert autotune.candidate_grid is costmodel.candidate_grid
     for module in (autotune, plan):
@@ -341,7 +341,7 @@ ROW_KEYS = {"first_bucket_bytes", "bucket_cap_bytes", "last_bucket_bytes", "buck
 
 
 def test_cli_json_schema_plot_and_text(tmp_path, capsys):
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     profile = write_profile(tmp_path / "p.json")
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     code = plan.main([str(profile), "--world", "8,64,512", "--gpus-per-node", "8", "--network",
@@ -386,8 +386,8 @@ def test_cli_json_schema_plot_and_text(tmp_path, capsys):
 def test_a_profile_recorded_with_a_list_of_limits_is_predicted_with_that_list(tmp_path):
     """bucket_caps_bytes (DDP's bucket_cap_mb_list) through the planner: the profile's list is
     the "profile" row, laid out by the reducer's own assignment with every entry."""
-    from fused_reducer import plan
-    from fused_reducer.costmodel import Gradients
+    from fused_reducer.tuning import plan
+    from fused_reducer.tuning.costmodel import Gradients
     caps = [4 * MiB, 12 * MiB, 24 * MiB]
     limits = {"first_bucket_bytes": caps[0], "bucket_cap_bytes": caps[-1],
               "last_bucket_bytes": 0, "bucket_caps_bytes": caps}
@@ -407,7 +407,7 @@ def test_a_profile_recorded_with_a_list_of_limits_is_predicted_with_that_list(tm
 
 
 def test_compute_scale_and_overlap_change_the_prediction(tmp_path):
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     profile = write_profile(tmp_path / "p.json")
 
     def run(*extra):
@@ -433,8 +433,8 @@ def test_overlap_cost_is_measured_from_a_backward_without_communication():
     """A profile with timing.backward_no_comm_us: the overlap cost is the recorded backward's
     slowdown over the communication it overlapped, (recorded - without) / overlapped, within
     [0, 1]; it predicts exactly what the same number given as --overlap predicts."""
-    from fused_reducer.costmodel import CostModel, ProbedCollective
-    from fused_reducer.plan import Planner, PlanInputError
+    from fused_reducer.tuning.costmodel import CostModel, ProbedCollective
+    from fused_reducer.tuning.plan import Planner, PlanInputError
 
     net = network()
     profile = synthetic_profile(device="cpu", world=2)
@@ -477,7 +477,7 @@ def test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout():
     """What the model misses in the recorded step (measured step - modelled step of the
     recorded layout) is added to every prediction, scaled as compute: a profile that measured
     a step 5 ms longer predicts every layout 5 ms (x compute scale) slower, in the same order."""
-    from fused_reducer.plan import Planner
+    from fused_reducer.tuning.plan import Planner
 
     net = network()
     profile = synthetic_profile(world=8)
@@ -503,7 +503,7 @@ def test_predictions_are_anchored_on_the_measured_step_of_the_recorded_layout():
 
 
 def test_hinted_layouts_from_a_plan_pick_the_nearest_world(tmp_path):
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     profile = write_profile(tmp_path / "p.json")
     out = tmp_path / "plan.json"
     assert plan.main([str(profile), "--world", "8,512", "--json", str(out), "--top", "2"]) == 0
@@ -545,7 +545,7 @@ def bad_profile_cases(tmp_path):
 
 
 def test_bad_inputs_exit_2_naming_the_value_and_write_nothing(tmp_path, capsys):
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     for argv, named in bad_profile_cases(tmp_path):
         code = plan.main(argv + ["--json", str(out), "--plot", str(png)])
@@ -608,7 +608,7 @@ def test_a_malformed_profile_exits_2_naming_the_field_and_writes_nothing(edit, n
     """Valid JSON of the right format and version, one field wrong: load_profile checks every
     field the planner reads (type, finite, range, indices), so the CLI answers plan: error:
     naming the file and the field, exit 2, and no traceback, no NaN plan."""
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     data = synthetic_profile()
     data["buckets"] = [list(range(23, 11, -1)), list(range(11, -1, -1))]
     path, out = tmp_path / "p.json", tmp_path / "out.json"
@@ -667,7 +667,8 @@ def check_profile_round_trip(rank, world_size):
     # for an NCCL group, which has no CPU backend): a stand-in device is recorded, the sums
     # run on the CPU.
     import torch
-    from fused_reducer import autotune, transport
+    from fused_reducer.tuning import autotune
+    from fused_reducer.transports import transport
     seen, real = set(), transport.control_allreduce
 
     def recording(values, op, group, device):
@@ -735,7 +736,7 @@ def check_verify(rank, world_size):
     import io
     import torch.distributed as dist
     import fused_reducer
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     box = [tempfile.mkdtemp(prefix="fr_verify_") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     folder = box[0]
@@ -778,8 +779,8 @@ def outcomes():
 
 
 def test_profile_round_trip(outcomes, tmp_path):
-    from fused_reducer import plan
-    from fused_reducer.profile import load_profile
+    from fused_reducer.tuning import plan
+    from fused_reducer.tuning.profile import load_profile
     results = per_rank(outcomes, "check_profile_round_trip")
     for r in results:
         assert "at least 2 completed" in r["early"]
@@ -819,7 +820,7 @@ def test_profile_round_trip(outcomes, tmp_path):
 
 
 def test_a_profile_with_ignored_parameters_holds_the_reduced_ones_and_plans(outcomes, tmp_path):
-    from fused_reducer import plan
+    from fused_reducer.tuning import plan
     for r in per_rank(outcomes, "check_profile_with_ignored_parameters"):
         assert r["params"] == r["reduced"], (r["params"], r["reduced"])
         assert sum(r["params"].values()) == r["bucket_bytes"]
@@ -890,7 +891,7 @@ def test_predictions_of_the_recorded_validation_runs_do_not_drift(path, tmp_path
     `bench/plan_validate.py compare --reference`), predicted again with today's model: every
     cell as recorded (a change to the cost model must re-validate and rewrite these files),
     and still within the published error of the measurements."""
-    from fused_reducer.plan import Planner, build_network
+    from fused_reducer.tuning.plan import Planner, build_network
 
     with open(path) as f:
         ref = json.load(f)

@@ -628,7 +628,7 @@ def test_tuner_and_profile_count_gradient_bytes_in_the_reduce_dtype():
     """No spawn: what the autotuner and export_profile lay out is what the reducer buckets. With
     a reduce dtype, floating-point gradients count bytes of that dtype (and share its group);
     integer ones keep their own."""
-    from fused_reducer.autotune import ParamInfo
+    from fused_reducer.tuning.autotune import ParamInfo
     params = [torch.zeros(10), torch.zeros(6, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)]
     plain = ParamInfo(params)
     assert plain.sizes == [40, 48, 24] and len(set(plain.groups)) == 3

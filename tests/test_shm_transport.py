@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fused_reducer
-from fused_reducer import transport as transport_module
+from fused_reducer.transports import transport as transport_module
 from fused_reducer import FusedReducer
 from dist_utils import SelectedChecks, results
 
@@ -748,7 +748,8 @@ def test_a_failing_statvfs_is_reported_as_such(monkeypatch):
 KILLED_CREATOR = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from fused_reducer import _C, transport
+from fused_reducer import _C
+from fused_reducer.transports import transport
 name = "/" + transport.shm_name_prefix() + os.urandom(6).hex()
 t = _C.ShmTransport(name, True, 0, 2, 4096, 1.0)
 print(name, flush=True)

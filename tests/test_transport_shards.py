@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_reducer import transport as transport_module
+from fused_reducer.transports import transport as transport_module
 from dist_utils import SelectedChecks, results
 
 checks = SelectedChecks()

@@ -140,7 +140,8 @@ def main(outdir, mode):
 
 
 def forget_dead_attempts_torch_keys(attempt, rank):
-    """Make torch's own restart work with fused_reducer.elastic.forget_dead_attempt_keys() (the
+    """Make torch's own restart work with
+    fused_reducer.transports.elastic.forget_dead_attempt_keys() (it removes the
     keys torch's default group left in torchrun's store in the dead attempt; pytorch#135712),
     unless RESTART_WORKER_KEEP_TORCH_KEYS=1. FusedReducer's keys ('/fused_reducer/' in the name)
     are left as they are: the store stays, for FusedReducer, exactly the one a restarted attempt
@@ -160,7 +161,7 @@ def forget_dead_attempts_torch_keys(attempt, rank):
     if os.environ.get("RESTART_WORKER_KEEP_TORCH_KEYS") == "1" or \
             int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # one agent only (its docstring)
         return {**state, "removed_torch_keys": None}
-    from fused_reducer.elastic import forget_dead_attempt_keys
+    from fused_reducer.transports.elastic import forget_dead_attempt_keys
     return {**state, "removed_torch_keys": forget_dead_attempt_keys()["removed"]}
 
 

@@ -5,11 +5,12 @@ bucket cap that stay tunable at runtime.
     model = fused_reducer.FusedReducer(model, first_bucket_mb=16)
 
 The layers, each importing only those before it: errors.py and settings.py (the base);
-transports/ (NCCL, gloo or shared memory, store exchanges, restarts); core/ (the module wrapper,
-its validation, join, comm hooks); sharded/ (ShardedOptimizer); tuning/ (cost model, probe,
-profiles, planner, autotuner, trace); integrations/ (Lightning, accelerate, transformers). The
-modules at this level beside them (reducer.py, transport.py, plan.py, ...) are the old import
-paths, kept as aliases of the moved modules.
+transports/ (NCCL, gloo or shared memory, store exchanges, torchrun restarts); core/ (the module
+wrapper, its validation, join, comm hooks); sharded/ (ShardedOptimizer); tuning/ (cost model,
+probe, profiles, planner, autotuner, trace). At this level beside them, the entry points users
+import, each a module of its own: lightning.py (FusedReducerStrategy), accelerate.py and
+transformers.py (Hugging Face), pipelining.py (PipelineStage) and plan.py (`python -m
+fused_reducer.plan`, the planner of tuning/plan.py); docs/API.md lists them.
 """
 import torch
 import torch.distributed  # registers ProcessGroup with pybind11 before _C needs it

@@ -10,8 +10,8 @@ FusedReducer alike, since it happens before either exists. FusedReducer's own ke
 namespace each new group agrees on and need nothing (python/fused_reducer/transports/transport.py,
 attempt_token).
 
-    import fused_reducer.elastic
-    fused_reducer.elastic.forget_dead_attempt_keys()   # on every rank, before init_process_group
+    from fused_reducer.transports.elastic import forget_dead_attempt_keys
+    forget_dead_attempt_keys()   # on every rank, before init_process_group
     dist.init_process_group("gloo")
 
 One torchrun agent (one node) only: with several, an agent that restarts for another node's
@@ -45,12 +45,12 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
         return {"attempt": attempt, "removed": []}
     if dist.is_initialized():
         raise RuntimeError(
-            "fused_reducer.elastic.forget_dead_attempt_keys() must run before "
+            "fused_reducer.transports.elastic.forget_dead_attempt_keys() must run before "
             "dist.init_process_group(): afterwards it would remove this attempt's own keys")
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
         raise RuntimeError(
-            "fused_reducer.elastic.forget_dead_attempt_keys() works for one torchrun agent (one "
-            "node, e.g. --standalone) only: with several agents, an agent that restarts for "
+            "fused_reducer.transports.elastic.forget_dead_attempt_keys() works for one torchrun "
+            "agent (one node, e.g. --standalone) only: with several agents, an agent that restarts for "
             "another node's failure keeps its restart count (TORCHELASTIC_RESTART_COUNT), so the "
             "ranks cannot agree through it which keys are the dead attempt's")
     rank = int(os.environ["RANK"])
@@ -60,16 +60,16 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
     if rank == 0:
         if not hasattr(store, "list_keys"):
             raise RuntimeError(
-                "fused_reducer.elastic.forget_dead_attempt_keys(): this torch's TCPStore has no "
-                "list_keys(), so the dead attempt's keys cannot be found; upgrade torch, or let "
+                "fused_reducer.transports.elastic.forget_dead_attempt_keys(): this torch's TCPStore "
+                "has no list_keys(), so the dead attempt's keys cannot be found; upgrade torch, or let "
                 "torchrun restart with a fresh store (TORCHELASTIC_USE_AGENT_STORE=False)")
         removed = sorted(k for k in store.list_keys()
                          if k.startswith(DEFAULT_GROUP_PREFIX) and FUSED_REDUCER_MARK not in k)
         for key in removed:
             store.delete_key(key)
         if not removed:
-            warnings.warn(f"fused_reducer.elastic.forget_dead_attempt_keys(): attempt {attempt} "
-                          f"found no '{DEFAULT_GROUP_PREFIX}' keys in torchrun's store; if this "
+            warnings.warn("fused_reducer.transports.elastic.forget_dead_attempt_keys(): "
+                          f"attempt {attempt} found no '{DEFAULT_GROUP_PREFIX}' keys in torchrun's store; if this "
                           "torch names its default group's keys otherwise, none were removed")
         store.set(done, json.dumps(removed))
     else:
@@ -98,8 +98,8 @@ def restart_failure(error):
         advice = ("restart the job (on several nodes no key can be told apart safely: an agent "
                   "restarting for another node's failure keeps its restart count)")
     else:
-        advice = ("call fused_reducer.elastic.forget_dead_attempt_keys() on every rank before "
-                  "dist.init_process_group() (it removes those keys; measured in "
+        advice = ("call fused_reducer.transports.elastic.forget_dead_attempt_keys() on every rank "
+                  "before dist.init_process_group() (it removes those keys; measured in "
                   "scripts/restart_study.py)")
     return (f"FusedReducer: the process group's first collective (checking the model across "
             f"ranks, at construction) failed in torchrun's restarted attempt {attempt}: {error}. "
