@@ -39,7 +39,8 @@
 //  - a torchrun restart: the new attempt's processes find the dead attempt's keys in torchrun's
 //    store; FusedReducer's keys live in a namespace the new group agrees on (transport.py,
 //    attempt_token), and torch's own keys can be removed before init_process_group
-//    (fused_reducer/elastic.py; scripts/restart_study.py measures restarts with DDP beside).
+//    (python/fused_reducer/transports/elastic.py; scripts/restart_study.py measures restarts
+//    with DDP beside).
 //  - an exception raised in training (a bad batch, a KeyboardInterrupt in backward): it
 //    propagates to the user; the collectives already launched stay with the reducer and are
 //    waited for (bounded) by close(), usually the exit handler's. The peers, waiting for this

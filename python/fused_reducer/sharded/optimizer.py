@@ -154,7 +154,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.model = model
         self.master_dtype = master_dtype
-        # Note [Overlapped parameter all-gather]
+        # See Note [Overlapped parameter all-gather]
         self.overlap_param_gather = bool(overlap_param_gather)
         self._gathers = {}        # bucket -> (pending all-gather, its flat buffer)
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
