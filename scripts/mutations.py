@@ -52,14 +52,12 @@ MUTATIONS = [
     dict(
         id="launch-completion-order",
         file=REDUCER_CPP,
-        edits=[("  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {\n"
-                "    Bucket& bucket = buckets_[next_to_launch_++];",
-                "  for (size_t b = 0; b < buckets_.size(); ++b) {\n"
-                "    if (buckets_[b].pending != 0 || buckets_[b].timing.launch_us != 0) continue;\n"
-                "    ++next_to_launch_;\n"
-                "    Bucket& bucket = buckets_[b];"),
-               ("      const auto index = static_cast<int64_t>(next_to_launch_ - 1);",
-                "      const auto index = static_cast<int64_t>(b);")],
+        edits=[("  while (next_to_launch_ < count && progress_[next_to_launch_].pending == 0) {\n"
+                "    const size_t index = next_to_launch_++;",
+                "  for (size_t index = 0; index < count; ++index) {\n"
+                "    if (progress_[index].pending != 0) continue;\n"
+                "    progress_[index].pending = -1;  // launched\n"
+                "    ++next_to_launch_;")],
         why="a bucket is launched as soon as it is complete instead of strictly in order: ranks "
             "whose gradients become ready in different orders pair different buckets in the "
             "collective (wrong sums when the sizes match, a hang when they do not)",
@@ -80,8 +78,10 @@ MUTATIONS = [
     dict(
         id="rank0-limits-ignored",
         file="ext/bucket_layout.cpp",
-        edits=[("  options_.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);\n"
-                "  options_.last_bucket_bytes = data[1];\n", "")],
+        edits=[("  rank0.bucket_caps_bytes.assign(data + kHeader, data + kHeader + data[0]);\n"
+                "  rank0.last_bucket_bytes = data[1];\n",
+                "  rank0.bucket_caps_bytes = limits.bucket_caps_bytes;\n"
+                "  rank0.last_bucket_bytes = limits.last_bucket_bytes;\n")],
         why="the rebuild takes rank 0's order but keeps this rank's own limits: ranks that set "
             "different limits build different layouts",
         tests=[RANK0 + "test_rebuilt_layout_is_rank0s_on_every_rank_before_any_bucket_moves",
@@ -99,9 +99,9 @@ MUTATIONS = [
     dict(
         id="limits-not-persistent",
         file="ext/bucket_layout.cpp",
-        edits=[("  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
+        edits=[("  std::copy(limits.bucket_caps_bytes.begin(), limits.bucket_caps_bytes.begin() + ncaps,\n"
                 "            data + kHeader);",
-                "  std::copy(options_.bucket_caps_bytes.begin(), options_.bucket_caps_bytes.begin() + ncaps,\n"
+                "  std::copy(limits.bucket_caps_bytes.begin(), limits.bucket_caps_bytes.begin() + ncaps,\n"
                 "            data + kHeader);\n"
                 "  data[kHeader] = int64_t{1} << 20;  // DDP's kDefaultFirstBucketBytes")],
         why="DDP's own bug: rebuilds use the 1 MiB constant, so a first bucket set at "
@@ -214,9 +214,9 @@ MUTATIONS = [
         file=REDUCER_CPP,
         edits=[("  if (comm_hook_) {\n    return 1.0;\n  }\n  return 1.0 / static_cast<double>(gradient_divisor());",
                 "  return 1.0;"),
-               ("  wait_for_bucket(index);\n  BucketTiming& timing = buckets_[index].timing;",
-                "  wait_for_bucket(index);\n  if (!comm_hook_) buckets_[index].flat.mul_(1.0 / gradient_divisor());\n"
-                "  BucketTiming& timing = buckets_[index].timing;")],
+               ("  wait_for_bucket(index);\n  const BucketTiming& timing",
+                "  wait_for_bucket(index);\n  if (!comm_hook_) buckets()[index].flat.mul_(1.0 / gradient_divisor());\n"
+                "  const BucketTiming& timing")],
         why="ncclAvg's arithmetic restored: buckets summed unscaled, then multiplied by 1/n in "
             "the bucket's dtype (a second rounding; not DDP's bits at 3 ranks, and in bf16/fp16 "
             "a bias), instead of scaling each gradient in the copy",
@@ -419,10 +419,10 @@ MUTATIONS = [
     dict(
         id="reduce-dtype-not-from-rank0",
         file="ext/bucket_layout.cpp",
-        edits=[("  options_.reduce_dtype = data[2] == kNoReduceDtype\n",
-                "  (void)(data[2] == kNoReduceDtype\n"),
-               ("                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));",
-                "                              : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2])));")],
+        edits=[("  rank0.reduce_dtype = data[2] == kNoReduceDtype\n",
+                "  rank0.reduce_dtype = limits.reduce_dtype;\n  (void)(data[2] == kNoReduceDtype\n"),
+               ("                           : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2]));",
+                "                           : std::optional<at::ScalarType>(static_cast<at::ScalarType>(data[2])));")],
         why="the reduce dtype does not travel with rank 0's layout: ranks that set different "
             "reduce dtypes all-reduce buckets of different dtypes (garbage or a gloo error)",
         tests=[RANK0 + "test_reduce_dtype_in_force_is_rank0s_on_every_rank_before_any_bucket_moves",
@@ -431,8 +431,8 @@ MUTATIONS = [
     dict(
         id="reduce-dtype-ignored-by-bucket",
         file="ext/bucket_layout.cpp",
-        edits=[("  if (options_.reduce_dtype && at::isFloatingType(type)) {",
-                "  if (false && options_.reduce_dtype && at::isFloatingType(type)) {")],
+        edits=[("  if (reduce_dtype && at::isFloatingType(type)) {",
+                "  if (false && reduce_dtype && at::isFloatingType(type)) {")],
         why="reduce_dtype is accepted but buckets keep the gradients' dtype: fp32 bytes on the "
             "wire where the user asked for half, silently",
         tests=["tests/test_reduce_dtype.py::test_allreduce_bytes_exactly_half"],
@@ -766,8 +766,8 @@ MUTATIONS = [
     dict(
         id="caps-list-truncated-at-rebuild",
         file="ext/bucket_layout.cpp",
-        edits=[("      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), count);",
-                "      std::min<int64_t>(static_cast<int64_t>(options_.bucket_caps_bytes.size()), 2);")],
+        edits=[("      std::min<int64_t>(static_cast<int64_t>(limits.bucket_caps_bytes.size()), count);",
+                "      std::min<int64_t>(static_cast<int64_t>(limits.bucket_caps_bytes.size()), 2);")],
         why="a rebuild keeps only the first two limits of a longer list: bucket_cap_mb_list / bucket_caps_bytes lose their third entry at the first rebuild",
         tests=["tests/test_ddp_arguments.py::test_bucket_caps_bytes_set_while_training_persists_across_rebuilds_and_rank0_wins"],
     ),
@@ -781,7 +781,7 @@ MUTATIONS = [
     dict(
         id="list-first-layout-not-ddps",
         file="ext/bucket_layout.cpp",
-        edits=[("  if (options_.ddp_first_layout) {", "  if (false) {")],
+        edits=[("  if (ddp_first_layout_) {", "  if (false) {")],
         why="bucket_cap_mb_list's first layout applies the list in launch order instead of DDP's (from the first registered parameter): the first step's buckets differ from DDP's",
         tests=["tests/test_ddp_arguments.py::test_bucket_cap_mb_list_gives_ddps_layout_at_the_first_step_and_after_the_rebuild"],
     ),
@@ -819,8 +819,8 @@ MUTATIONS = [
     dict(
         id="skipped-bucket-still-reduced",
         file=REDUCER_CPP,
-        edits=[("      bucket.timing.launch_us = now_us();\n      continue;  // no collective",
-                "      bucket.timing.launch_us = now_us();\n      (void)0;  // no collective")],
+        edits=[("      telemetry_.bucket_skipped(index);\n      continue;  // no collective",
+                "      telemetry_.bucket_skipped(index);\n      (void)0;  // no collective")],
         why="skip_all_reduce_unused_params=True still all-reduces the buckets of parameters no rank uses: the bytes it promises to save move anyway",
         tests=["tests/test_ddp_arguments.py::test_skip_all_reduce_unused_params_drops_their_bytes_and_raises_when_the_set_changes"],
     ),
@@ -928,7 +928,7 @@ MUTATIONS = [
     dict(
         id="sharded-local-gradients-kept",
         file=REDUCER_CPP,
-        edits=[("  if (sharded_) {\n    release_local_gradients(buckets_[index]);\n    return;\n  }",
+        edits=[("  if (sharded_) {\n    release_local_gradients(bucket);\n    return;\n  }",
                 "  if (sharded_) {\n    return;\n  }")],
         why="after a sharded backward param.grad keeps this rank's unreduced gradient: "
             "clip_grad_norm_ over model.parameters() silently clips by a local norm",
