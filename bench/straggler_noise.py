@@ -1,20 +1,26 @@
 #!/usr/bin/env python
 """Does the straggler report stay quiet on a healthy job on a loaded machine, and still name a
-rank that is late by a fifth of the step? (issue 38; Note [A straggler is late relative to the
-step] in ext/training_health.cpp)
+rank that is late by a fifth of the step? (issues 38 and 48; Note [A straggler is late relative
+to the step] in ext/training_health.cpp)
 
     python bench/straggler_noise.py                        # 20 balanced + 10 late runs, 2 busy loops
-    python bench/straggler_noise.py --runs 100 --late-runs 0 --json healthy.json   # issue 48's job
-    python bench/straggler_noise.py --runs 0 --late-runs 20 --busy 0 --json late.json
+    python bench/straggler_noise.py --runs 100 --late-runs 0 --runs-per-launch 25 --json h.json
+    python bench/straggler_noise.py --runs 10 --late-runs 20 --runs-per-launch 10 --busy 0
 
 Each run is a toy job as a new user writes it: 2 gloo ranks, an MLP (256-1024-1024-10, batch
-32, 30 steps: issue 48's job; --batch, --steps), SGD, FusedReducer with every default (an exchange every 10 steps, the automatic
-threshold), one intra-op thread per rank (what torchrun sets with 2 ranks per host). `--busy` processes spin beside it for the whole
-measurement (a shared, loaded machine). Balanced runs: counted are the runs with a logged
-straggler warning (the target: none) and those whose report named a rank at some exchange.
-Late runs: rank 1 sleeps `--late-fraction` (0.2) of its own median step time before each
-backward; reported is the first exchange that names it (the target: step 10, the first) and the
-step of the warning. --json FILE writes {meta, balanced, late}; exit status 0.
+32, 30 steps: issue 48's job; --batch, --steps), SGD, FusedReducer with every default (an
+exchange every 10 steps, the automatic threshold), one intra-op thread per rank (what torchrun
+sets with 2 ranks per host). `--busy` processes spin beside it for the whole measurement (a
+shared, loaded machine). --runs-per-launch N: one launch of the ranks runs N of them one after
+another, each a fresh model and FusedReducer (so a fresh report; the processes' own start-up
+is then not repeated: on a loaded host it costs more than the run). Balanced runs: counted are
+the runs with a logged straggler warning (the target: none) and those whose report named a
+rank at some exchange. Late runs: rank 1 sleeps `--late-fraction` (0.2) of its own median step
+time before each backward from its 4th step; reported is the first exchange that names it
+(the target: step 10, the first) and whether it was warned about (logged at the forward after
+the exchange of step 20, the last of a 30-step run that can be). The load average (/proc/loadavg)
+is printed before, during and after. --json FILE writes {meta, balanced, late} as the runs
+come in (an interrupted measurement keeps what it measured); exit status 0.
 """
 import argparse
 import json

@@ -686,7 +686,7 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_ne
         fast_warned = _warnings_about(fast, rank=1)
         late = [1 in ranks for step, ranks, *_ in fast["exchanges"] if step < fast["steps"]]
         episodes = sum(1 for k, now in enumerate(late) if now and (k == 0 or not late[k - 1]))
-        assert late[0] and len(fast_warned) == episodes, (fast_warned, fast["exchanges"])
+        assert episodes >= 1 and len(fast_warned) == episodes, (fast_warned, fast["exchanges"])
         for step, message in zip(fast["warned_steps"], fast["warnings"]):
             for named in re.findall(r"rank (\d+) has been late", message):
                 assert int(named) in dict(fast["named_ever"]).get(step - 1, []), (step, fast)
