@@ -75,8 +75,8 @@ class TrainingHealth {
   // Reads the summed rows: lateness, stragglers, the warning to log.
   void update_stragglers(const at::Tensor& summed_rows);
   // The default threshold: Note [A straggler is late relative to the step].
-  static constexpr double kLateFractionOfStep = 0.1;
-  static constexpr double kJitterFactor = 0.5;
+  static constexpr double kLateFractionOfStep = 0.15;
+  static constexpr double kJitterFactor = 1.0;
   static constexpr double kSchedulerNoiseMs = 1.0;
   static double automatic_threshold_ms(double median_step_ms, double jitter_ms);
 

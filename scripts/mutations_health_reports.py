@@ -6,6 +6,8 @@ HEALTH = "tests/test_health.py::"
 REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[world2]"
 NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about[world2]"
 COUNTS = "tests/test_collective_counts.py::"
+STEP_CLOCK = HEALTH + "test_median_step_ms_is_the_forward_and_backward_on_each_ranks_own_clock[world2]"
+EPISODES = HEALTH + "test_a_second_late_episode_after_a_quiet_spell_is_warned_about_again[world2]"
 
 MUTATIONS = [
     dict(
@@ -91,5 +93,26 @@ MUTATIONS += [
         why="a joined rank contributes the median of slacks from before it joined: it can be "
             "named late (or make others late) for steps it did not train",
         tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[world2]"],
+    ),
+]
+
+MUTATIONS += [
+    dict(
+        id="straggler-step-time-in-seconds",
+        file="ext/step_health.cpp",
+        edits=[("(now_us() - telemetry.forward_time_us()) / 1000.0);",
+                "(now_us() - telemetry.forward_time_us()) / 1e6);")],
+        why="median_step_ms holds seconds (a unit slip): the automatic threshold's fraction of "
+            "the step falls to the 1 ms floor, and the report's own threshold check still "
+            "agrees with itself (issue 48)",
+        tests=[STEP_CLOCK],
+    ),
+    dict(
+        id="straggler-warned-about-only-once",
+        file=HEALTH_CPP,
+        edits=[("      warned_[r] = 0;  // a later episode warns again\n", "")],
+        why="a rank is warned about once per run: a second late episode after a quiet spell "
+            "goes unwarned (issue 48)",
+        tests=[EPISODES],
     ),
 ]

@@ -16,6 +16,7 @@
 import json
 import logging
 import math
+import re
 import statistics
 import time
 
@@ -147,7 +148,11 @@ def check_straggler(rank, world):
                 "a_fifth_of_the_step": (0, {}),
                 # rank 1 late by 8 ms every step, rank 0 by 80 ms in 3 steps of every 10: rank
                 # 1's lateness is within the job's step-to-step scatter
-                "within_the_scatter": (0, {})}
+                "within_the_scatter": (0, {}),
+                # rank 1 sleeps 40 ms in steps 0-14 and 30-44, punctual in 15-29 between: two
+                # late episodes (an exchange every 5 steps, a warning after 10 late steps)
+                "two_episodes": (0, dict(straggler_interval=5, straggler_window=5,
+                                         straggler_warn_steps=10))}
     for variant, (sleep_from, settings) in variants.items():
         records.clear()
         before_forward = variant == "loader_bn"
@@ -155,24 +160,33 @@ def check_straggler(rank, world):
         ours = FusedReducer(net, **settings)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
         named_at = warned_at = measured_before_the_first_exchange = None
-        named_ever = []
-        steps = 50 if sleep_from is None else sleep_from + 30
+        named_ever, warned_steps, step_s, exchanges = [], [], [], []
+        steps = 50 if sleep_from is None else 45 if variant == "two_episodes" else sleep_from + 30
         for step in range(steps):
             x, y = _batch(rank, step)
             opt.zero_grad()
             sleepy = sleep_from is not None and step >= sleep_from
+            if variant == "two_episodes":
+                sleepy = step < 15 or 30 <= step < 45
             if sleepy and rank == 1 and before_forward:
                 time.sleep(0.04)
+            start = time.perf_counter()  # the step as the report times it: forward + backward
             loss = _loss(ours, x, y)
             if sleepy and not before_forward:
                 time.sleep(_straggler_sleep_s(variant, rank, step))
             loss.backward()
+            step_s.append(time.perf_counter() - start)
             opt.step()
             report = ours.straggler_report()
             if step + 1 == report["interval"] - 1:
                 measured_before_the_first_exchange = report["measured"]
-            if warned_at is None and any("straggler" in m for m in records):
-                warned_at = step + 1
+            warned = sum("straggler" in m for m in records)
+            warned_steps += [step + 1] * (warned - len(warned_steps))  # logged in this forward
+            if warned_at is None and warned_steps:
+                warned_at = warned_steps[0]
+            if report["step"] == step + 1:
+                exchanges.append((step + 1, report["stragglers"], report["lateness_ms"],
+                                  report["jitter_ms"], report["median_step_ms"]))
             if report["stragglers"]:
                 named_ever.append((step + 1, report["stragglers"]))
                 if named_at is None and sleepy:
@@ -189,7 +203,15 @@ def check_straggler(rank, world):
                   for e in window]
         every_slack = [None] * world
         dist.all_gather_object(every_slack, slacks)
+        # The independent clock of median_step_ms: each rank's own perf_counter around its
+        # forward and backward, in milliseconds, over the same window.
+        every_step_ms = [None] * world
+        dist.all_gather_object(every_step_ms, [1e3 * s for s in
+                                               step_s[report["step"] - report["window"]:
+                                                      report["step"]]])
         out[variant] = dict(named_at=named_at, warned_at=warned_at, named_ever=named_ever,
+                            warned_steps=warned_steps, every_step_ms=every_step_ms,
+                            exchanges=exchanges, steps=steps,
                             report=report, every_slack=every_slack,
                             measured_before_the_first_exchange=measured_before_the_first_exchange,
                            warnings=[m for m in records if "straggler" in m],
@@ -654,30 +676,50 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_ne
         assert high["report"]["lateness_ms"][1] >= 30, high["report"]  # measured all the same
         assert fast["report"]["interval"] == 2, fast["report"]
         assert fast["named_at"] is not None and fast["named_at"] <= 6, fast
-        assert len(fast["warnings"]) == 1 and "rank 1 has been late" in fast["warnings"][0], fast
-        assert fast["warned_at"] < slow["warned_at"], (fast["warned_at"], slow["warned_at"])
-        # Late by a fifth of the step: named at the first exchange (the automatic threshold is
-        # a fraction of the step, not a fixed number of milliseconds).
+        # A warning after one late exchange (2 steps) warns at the start of each late episode:
+        # for rank 1, late all along, one on a quiet host; on a loaded one (load average 10 to
+        # 23 here) the measured scatter may lift the threshold above its lateness for an
+        # exchange, and an episode ends there, and a punctual rank descheduled for a window is
+        # warned about too. So the warnings are checked against the exchanges' reports: one
+        # about rank 1 per episode of its that began before the last step (the warning is
+        # logged at the next forward), every other one about a rank the exchange before named.
+        fast_warned = _warnings_about(fast, rank=1)
+        late = [1 in ranks for step, ranks, *_ in fast["exchanges"] if step < fast["steps"]]
+        episodes = sum(1 for k, now in enumerate(late) if now and (k == 0 or not late[k - 1]))
+        assert episodes >= 1 and len(fast_warned) == episodes, (fast_warned, fast["exchanges"])
+        for step, message in zip(fast["warned_steps"], fast["warnings"]):
+            for named in re.findall(r"rank (\d+) has been late", message):
+                assert int(named) in dict(fast["named_ever"]).get(step - 1, []), (step, fast)
+        assert fast_warned[0][0] < slow["warned_at"], (fast_warned, slow["warned_at"])
+        # Late by a fifth of the step: named at every exchange that measured it late by a
+        # fifth of the median step and beyond the host's step-to-step scatter (the automatic
+        # threshold is a fraction of the step below a fifth, not a fixed number of
+        # milliseconds): on a quiet host every exchange from the first. On a loaded one the
+        # scatter may exceed the 5 ms (load average 10-12: rank 1 6.0 ms late at the last
+        # exchange and not named there; at world 3 not named before step 30), and then it
+        # says nothing: the healthy job beside busy loops must stay quiet.
         fifth = out["a_fifth_of_the_step"]
-        assert fifth["named_at"] is not None and fifth["named_at"] <= 10, fifth
-        assert fifth["report"]["stragglers"] == [1], fifth["report"]
-        assert fifth["report"]["threshold_ms"] < fifth["report"]["lateness_ms"][1], fifth["report"]
+        for step, ranks, lateness, jitter, median_step in fifth["exchanges"]:
+            if lateness[1] > max(jitter, 1.0) and lateness[1] >= 0.2 * median_step:
+                assert 1 in ranks, (step, fifth["exchanges"])
         # Late by 8 ms every step, but rank 0 arrives 80 ms late in 3 steps of 10: within the
-        # step-to-step scatter, nobody is named (the threshold is half that scatter).
+        # step-to-step scatter, nobody is named (the threshold is that scatter).
         scattered = out["within_the_scatter"]
         assert scattered["named_ever"] == [] and scattered["warnings"] == [], scattered
-        # The lateness is measured all the same: about the 8 ms on a quiet machine, 3.1 ms in a
-        # CI run beside a mutation run (the sleep partly absorbed by the load): above the 1 ms
-        # of scheduler noise either way.
-        assert scattered["report"]["lateness_ms"][1] >= 2, scattered["report"]
-        assert scattered["report"]["threshold_ms"] > scattered["report"]["lateness_ms"][1]
+        # It is the measured scatter that keeps it unnamed: the threshold is the jitter term,
+        # above rank 1's lateness and above the fraction of the step and the floor. (The
+        # lateness itself is about the 8 ms on a quiet machine, but beside other tests the
+        # load absorbs the sleep: 3.1, 1.7, 0 ms measured, where a fixed 2 ms bound failed.)
+        report = scattered["report"]
+        assert report["threshold_ms"] == report["jitter_ms"] > report["lateness_ms"][1], report
+        assert report["jitter_ms"] > max(0.15 * report["median_step_ms"], 1.0), report
 
 
 def test_the_straggler_report_is_the_median_of_each_ranks_measured_slack(outcomes):
     """The report against each rank's step telemetry: slack_ms the median of its last window's
     slacks, lateness_ms the latest rank's minus each, jitter_ms the median over ranks of their
-    interquartile ranges (numpy), the automatic threshold the largest of 10 % of the median
-    step, half of that and 1 ms; `measured` only once an exchange happened."""
+    interquartile ranges (numpy), the automatic threshold the largest of 15 % of the median
+    step, that scatter and 1 ms; `measured` only once an exchange happened."""
     world, outcomes = outcomes
     for out in per_rank(outcomes, "check_straggler"):
         for variant, result in out.items():
@@ -696,9 +738,58 @@ def test_the_straggler_report_is_the_median_of_each_ranks_measured_slack(outcome
             scatters = [np.percentile(s, 75) - np.percentile(s, 25) for s in every_slack]
             assert report["jitter_ms"] == pytest.approx(statistics.median(scatters), abs=1e-3)
             if "straggler_threshold_ms" not in str(variant) and variant != "high_threshold":
-                expected = max(0.1 * report["median_step_ms"], 0.5 * report["jitter_ms"], 1.0)
+                expected = max(0.15 * report["median_step_ms"], report["jitter_ms"], 1.0)
                 assert report["threshold_ms"] == pytest.approx(expected, rel=1e-9), variant
             assert report["slowest"] == max(range(world), key=lambda r: report["lateness_ms"][r])
+
+
+def _warnings_about(result, rank):
+    """[(step it was logged in, late steps it says)] of the warnings that name `rank`."""
+    return [(step, int(late)) for step, message in zip(result["warned_steps"], result["warnings"])
+            for named, late in re.findall(r"rank (\d+) has been late for (\d+) steps", message)
+            if int(named) == rank]
+
+
+def test_median_step_ms_is_the_forward_and_backward_on_each_ranks_own_clock(outcomes):
+    """median_step_ms against time.perf_counter around each rank's forward and backward: the
+    median over ranks of each rank's median over the window of the last exchange, in
+    milliseconds. The report's clock starts inside the forward and stops at the end of
+    backward, so it is at most the bracket, and below it only by the Python around them and,
+    in an exchange step, the exchange's collective after backward: checked where a sleep makes
+    the step 20 ms or more (below that, on a loaded host, a 2 ms step's median came out half
+    the bracket's; 12 % below it at a 53 ms step, load average 10); a unit slip is a factor of
+    1000."""
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_straggler"):
+        for variant, result in out.items():
+            reported = result["report"]["median_step_ms"]
+            own = statistics.median(statistics.median(s) for s in result["every_step_ms"])
+            assert all(len(s) == result["report"]["window"] for s in result["every_step_ms"])
+            assert reported <= own + 1e-3, (variant, reported, own)
+            if own >= 20:  # a sleep in the step: the Python around it is a small part
+                assert reported >= 0.75 * own, (variant, reported, own, result["every_step_ms"])
+        assert statistics.median(out["sleepy"]["every_step_ms"][1]) >= 40  # its 40 ms sleep
+
+
+def test_a_second_late_episode_after_a_quiet_spell_is_warned_about_again(outcomes):
+    """Rank 1 late in steps 1-15 and 31-45, punctual between (an exchange every 5 steps, the
+    warning after 10 late steps): warned in the first episode, not in the quiet spell, warned
+    again in the second, each time after 10 late steps counted from the episode's start."""
+    world, outcomes = outcomes
+    for out in per_rank(outcomes, "check_straggler"):
+        two = out["two_episodes"]
+        # (On a loaded host a punctual rank may be warned about too: only rank 1's count.)
+        warned = _warnings_about(two, rank=1)
+        assert [late for _, late in warned] == [10, 10], two
+        (first, _), (second, _) = warned
+        # Exchange 10 finds it late 10 steps, exchange 40 again: logged at the next forward.
+        assert first <= 15 and 31 <= second <= 45, warned
+        # The quiet spell's windows cleared it: some exchange in it did not name it.
+        named_in_spell = {step for step, ranks in two["named_ever"] if 20 <= step <= 30
+                          and 1 in ranks}
+        assert not {20, 25, 30} <= named_in_spell, two["named_ever"]
+        # Late again since step 31: counted from there (exchanges 35, 40, 45).
+        assert 1 in two["report"]["stragglers"] and two["report"]["late_steps"][1] == 15, two
 
 
 def test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp(outcomes):
