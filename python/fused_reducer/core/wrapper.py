@@ -919,9 +919,9 @@ class FusedReducer(nn.Module, Joinable):
         rank: that wait, the same median),
         slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
         rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
-        (straggler_threshold_ms, or automatic: 10 % of median_step_ms, and at least half of
-        jitter_ms, the ranks' median step-to-step scatter of their slack, and 1 ms: Note [A straggler
-        is late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
+        (straggler_threshold_ms, or automatic: 15 % of median_step_ms, and at least jitter_ms,
+        the ranks' median step-to-step scatter of their slack, and 1 ms: Note [A straggler is
+        late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
         step (of the last exchange, 0: none yet), interval, window, measured (whether any
         rank's lateness is known yet).
         On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
