@@ -213,18 +213,16 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
 // one run in 40 (issue 48 measured 2 of 45 runs of its job, an MLP, batch 32, 30 steps, beside
 // 2 busy loops); the whole range is 2.4 standard errors: one window in 60, the same rank two
 // in a row one run in 7000. And never below kSchedulerNoiseMs, what the host's scheduler alone
-// moves a process by (steps of a few ms on a loaded CPU host named a rank 0.3 ms late). Naming in the report follows one
-// exchange; the logged warning waits for straggler_warn_steps late steps in a row (20: two
-// exchanges), and comes again for a later episode once an exchange found the rank on time.
-// Measured with bench/straggler_noise.py (docs/HEALTH.md, 2026-12-07, a host shared with other
-// jobs): issue 48's job beside 2 busy loops at a load average of 6-12 (127 ms steps, not the
-// issue's 17 ms), 100 runs: no warning, 2 of 300 windows named a rank (8 of 300 at half the
-// range). Rank 1 late by 20 % of its step at a load average of 6-7 (9-10 ms steps), 20 runs:
-// named at step 10 in 16, by step 20 in 19, warned at step 20 in 17 (the rule of before, on
-// the same data: 19); the first window, with the first step and the onset, had a scatter
-// above the lateness in the others. That is the price: at a load average of 4.5 whose bursts
-// made the steps 15 ms, warned at step 20 in 3 of 20 (the rule of before: 8), named by step 20
-// in 11 (before: 18).
+// moves a process by (steps of a few ms on a loaded CPU host named a rank 0.3 ms late).
+// Naming in the report follows one exchange; the logged warning waits for
+// straggler_warn_steps late steps in a row (20: two exchanges), and comes again for a later
+// episode once an exchange found the rank on time.
+// Measured with bench/straggler_noise.py on issue 48's job (docs/HEALTH.md, 2026-12-07): beside
+// 2 busy loops, 100 healthy runs, no warning (the rule of before named a rank in 8 of 300
+// windows where this one names 2); rank 1 late by 20 % of its step on an otherwise idle host,
+// 30 runs: named by step 20 in 29 (the other one was only 9-11 % late), warned at step 20 in
+// 24. That is the price of the quiet: on a noisy host (load 4.5 in bursts, 15 ms steps) it was
+// warned at step 20 in 3 of 20 runs (the rule of before: 8).
 double TrainingHealth::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
   const double of_step = std::isnan(median_step_ms) ? 0.0 : kLateFractionOfStep * median_step_ms;
   const double of_jitter = std::isnan(jitter_ms) ? 0.0 : kJitterFactor * jitter_ms;
