@@ -394,7 +394,7 @@ def test_straggler_noise_smoke_counts_warnings_and_names_a_late_rank(tmp_path):
     res = run_bench("straggler_noise.py", "--runs", "1", "--late-runs", "1", "--steps", "30",
                     "--busy", "0", "--late-fraction", "0.4", "--json", str(out_json))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "with a warning" in res.stdout and "first named at steps" in res.stdout, res.stdout
+    assert "with a warning" in res.stdout and "named (first at steps" in res.stdout, res.stdout
     out = json.loads(out_json.read_text())
     assert [e["step"] for e in out["balanced"][0]["exchanges"]] == [10, 20, 30]
     late = out["late"][0]["exchanges"]
