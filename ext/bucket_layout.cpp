@@ -223,8 +223,8 @@ std::vector<std::vector<int64_t>> BucketLayout::assign(const LayoutLimits& limit
                                                        const std::vector<char>& skipped) {
   // Bucket limits count bytes of the bucket dtype (what the collective moves).
   for (size_t i = 0; i < params_.size(); ++i) {
-    infos_[i].bytes = params_[i].numel() * static_cast<int64_t>(c10::elementSize(
-                                               bucket_dtype(static_cast<int64_t>(i), limits.reduce_dtype)));
+    const at::ScalarType dtype = bucket_dtype(static_cast<int64_t>(i), limits.reduce_dtype);
+    infos_[i].bytes = params_[i].numel() * static_cast<int64_t>(c10::elementSize(dtype));
   }
   // Skipped parameters get buckets of their own: Note [Skipping unused parameters].
   std::vector<TensorInfo> infos = infos_;

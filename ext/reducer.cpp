@@ -534,7 +534,8 @@ void Reducer::finalize_backward() {
     launch_ready_buckets();
     globally_used = allreduce_used_map();
   }
-  TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets().size(), "every bucket must be launched by now");
+  TORCH_INTERNAL_ASSERT(next_to_launch_ == buckets().size(),
+                        "every bucket must be launched by now");
 
   const int32_t* used = globally_used.defined() ? globally_used.data_ptr<int32_t>() : nullptr;
   if (used != nullptr && unused_.any_skipped()) {

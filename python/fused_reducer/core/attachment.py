@@ -3,10 +3,10 @@ see it.
 
 Join (core/join.py), the sharded optimizer (sharded/optimizer.py), the autotuner and the profile
 export (tuning/), and the pipelining stage (pipelining.py) need the process group, the
-transport, the C++ reducer and the parameters in the reducer's order, and a few of the wrapper's step decisions. They get them from
-``model._attachment`` and from nowhere else: this class names everything they may read or
-change, so the wrapper's other attributes stay its own. Like DDP's ``_get_ddp_logging_data`` /
-join hook arguments, it is internal (no promise to users).
+transport, the C++ reducer and the parameters in the reducer's order, and a few of the
+wrapper's step decisions. They get them from ``model._attachment`` and from nowhere else: this
+class names everything they may read or change, so the wrapper's other attributes stay its own.
+Like DDP's ``_get_ddp_logging_data`` / join hook arguments, it is internal (no promise to users).
 
 It reads the wrapper afresh at each access (a model re-attaches after unpickling: the group,
 transport and reducer change) and holds it weakly: an attachment kept by a helper never keeps the
