@@ -93,8 +93,8 @@ def sweep_candidates(model):
     from fused_reducer.tuning.autotune import ParamInfo, candidate_grid
     info = ParamInfo([p for p in model.module.parameters() if p.requires_grad])
     incumbent = (model.first_bucket_bytes, model.bucket_cap_bytes, model.last_bucket_bytes)
-    box = [list(model._reducer.last_ready_order())]
-    dist.broadcast_object_list(box, src=0, device=model._control_device)
+    box = [list(model.attachment.reducer.last_ready_order())]
+    dist.broadcast_object_list(box, src=0, device=model.attachment.control_device)
     layouts = {}
     grid = candidate_grid(info.group_bytes, incumbent)
     for candidate in grid:

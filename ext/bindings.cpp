@@ -170,6 +170,29 @@ py::dict stats_dict(const Reducer& reducer) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FusedReducer C++ core: bucket assignment, reducer, transports";
 
+  // The reducer's refusals of a model or setting reach Python as the package's own error.
+  py::register_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) {
+        std::rethrow_exception(raised);
+      }
+    } catch (const fused_reducer::ModelSettingError& e) {
+      py::object error = py::module_::import("fused_reducer.errors").attr("FusedReducerError");
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  // The checks of the limits and the reduce dtype, written once here: Python calls them for
+  // values it holds before a Reducer exists (the constructor, the process default).
+  m.def("check_bucket_bytes", &fused_reducer::check_bucket_bytes, py::arg("setting"),
+        py::arg("bytes"));
+  m.def("check_bucket_caps", &fused_reducer::check_bucket_caps, py::arg("caps"));
+  m.def("check_last_bucket_bytes", &fused_reducer::check_last_bucket_bytes, py::arg("bytes"));
+  m.def("check_reduce_dtype", &fused_reducer::check_reduce_dtype, py::arg("reduce_dtype"));
+  m.def("check_bucket_view_dtypes", &fused_reducer::check_bucket_view_dtypes,
+        py::arg("gradient_as_bucket_view"), py::arg("reduce_dtype"), py::arg("param_dtypes"),
+        py::arg("names"));
+
   m.def("assign_buckets",
         [](const std::vector<int64_t>& bytes, const std::vector<int64_t>& groups,
            const std::vector<int64_t>& order, const std::vector<int64_t>& caps,

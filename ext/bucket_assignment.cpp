@@ -25,7 +25,7 @@ void check_bucket_caps(const std::vector<int64_t>& caps) {
 void check_last_bucket_bytes(int64_t bytes) {
   if (bytes < 0) {
     throw std::invalid_argument(
-        "last_bucket_bytes must be 0 (off) or a positive number of bytes, got " +
+        "last_bucket_bytes must be 0 or None (off) or a positive number of bytes, got " +
         std::to_string(bytes));
   }
 }

@@ -61,7 +61,13 @@ std::string dtype_name(at::ScalarType type) {
     case at::kDouble: return "torch.float64";
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
     case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
     default: return std::string("torch.") + c10::toString(type);
   }
 }
@@ -200,22 +206,35 @@ at::ScalarType BucketLayout::bucket_dtype(int64_t index,
   return type;
 }
 
-// gradient_as_bucket_view: param.grad becomes a view of its slot, which needs
-// the slot to have the gradient's dtype.
-void BucketLayout::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const {
-  if (!gradient_as_bucket_view_ || !dtype) {
+void check_bucket_view_dtypes(bool gradient_as_bucket_view,
+                              std::optional<at::ScalarType> reduce_dtype,
+                              const std::vector<at::ScalarType>& param_dtypes,
+                              const std::vector<std::string>& names) {
+  if (!gradient_as_bucket_view || !reduce_dtype) {
     return;
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::ScalarType type = params_[i].scalar_type();
-    TORCH_CHECK_VALUE(
-        !at::isFloatingType(type) || type == *dtype,
-        "FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own dtype, "
-        "but reduce_dtype=", dtype_name(*dtype), " differs from the dtype of parameter '",
-        names_[i], "' (", dtype_name(type), "): a ", dtype_name(type),
-        " gradient cannot be a view of a ", dtype_name(*dtype), " bucket. Use "
-        "gradient_as_bucket_view=False, or reduce_dtype=None or ", dtype_name(type), ".");
+  TORCH_INTERNAL_ASSERT(param_dtypes.size() == names.size());
+  for (size_t i = 0; i < param_dtypes.size(); ++i) {
+    const at::ScalarType type = param_dtypes[i];
+    if (at::isFloatingType(type) && type != *reduce_dtype) {
+      const std::string bucket = dtype_name(*reduce_dtype);
+      const std::string grad = dtype_name(type);
+      throw ModelSettingError(
+          "FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own dtype, "
+          "but reduce_dtype=" + bucket + " differs from the dtype of parameter '" + names[i] +
+          "' (" + grad + "): a " + grad + " gradient cannot be a view of a " + bucket +
+          " bucket. Use gradient_as_bucket_view=False, or reduce_dtype=None or " + grad + ".");
+    }
   }
+}
+
+void BucketLayout::check_bucket_view_dtypes(std::optional<at::ScalarType> dtype) const {
+  std::vector<at::ScalarType> dtypes;
+  dtypes.reserve(params_.size());
+  for (const auto& p : params_) {
+    dtypes.push_back(p.scalar_type());
+  }
+  fused_reducer::check_bucket_view_dtypes(gradient_as_bucket_view_, dtype, dtypes, names_);
 }
 
 std::vector<std::vector<int64_t>> BucketLayout::assign(const LayoutLimits& limits,

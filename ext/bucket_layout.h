@@ -29,6 +29,14 @@ std::string dtype_name(at::ScalarType type);
 // nullopt, float32, bfloat16 or float16.
 void check_reduce_dtype(std::optional<at::ScalarType> dtype);
 
+// gradient_as_bucket_view makes param.grad a view of its bucket slot: throws
+// ModelSettingError naming the first floating parameter whose dtype differs
+// from `reduce_dtype` (nothing to check without views or a reduce dtype).
+void check_bucket_view_dtypes(bool gradient_as_bucket_view,
+                              std::optional<at::ScalarType> reduce_dtype,
+                              const std::vector<at::ScalarType>& param_dtypes,
+                              const std::vector<std::string>& names);
+
 // One bucket of the layout: fixed from one (re)build to the next. What a step does with it
 // (gradients still pending, the collective in flight) is the route's (reducer.h,
 // BucketProgress), its timing the telemetry's (step_telemetry.h).

@@ -270,7 +270,7 @@ def check_misuse(rank, world_size):
         except ValueError as e:
             refused[name] = str(e)
     out["refused"] = refused
-    out["tuner_after_refusals"] = fr._tuner
+    out["tuner_after_refusals"] = fr.attachment.tuner
     # A planner_hint file only rank 0 can read: every rank raises, none tunes alone.
     hint = [(4096, 4096, 0)] if rank == 0 else "/nonexistent/plan.json"
     try:
@@ -278,10 +278,10 @@ def check_misuse(rank, world_size):
         out["hint_on_one_rank"] = None
     except Exception as e:  # noqa: BLE001 - which error each rank gets is the point
         out["hint_on_one_rank"] = (type(e).__name__, str(e))
-    out["tuner_after_hint"] = fr._tuner
+    out["tuner_after_hint"] = fr.attachment.tuner
     # Rank 0 fails while planning: every rank hears it in the same forward.
     fr.autotune(candidates=[(4096, 4096, 0)])
-    fr._tuner._rank0_plan = None if rank == 0 else fr._tuner._rank0_plan  # not callable
+    fr.attachment.tuner._rank0_plan = None if rank == 0 else fr.attachment.tuner._rank0_plan  # not callable
     raised = []
     for step in range(4):
         try:
@@ -545,10 +545,9 @@ class _StubModel:
     def __init__(self, device):
         self.device = torch.device(device)
         self.process_group = None
-        self._reducer = _StubReducer()
-        # The tuner reads the reducer and the control device through model._attachment.
-        self._attachment = types.SimpleNamespace(reducer=self._reducer,
-                                                 control_device=torch.device("cpu"))
+        # The tuner reads the reducer and the control device through model.attachment.
+        self.attachment = types.SimpleNamespace(reducer=_StubReducer(),
+                                                control_device=torch.device("cpu"))
         self.bucket_caps_bytes = [MiB, 4 * MiB]
         self.last_bucket_bytes = MiB
 
@@ -563,7 +562,7 @@ def _one_trial_samples(monkeypatch, device, steps=3):
     monkeypatch.setattr(autotune, "control_allreduce", lambda values, *args: list(values))
     model = _StubModel(device)
     tuner = autotune.Autotuner(model, round_steps=(steps,), min_steps=1)
-    model._reducer.steps = 1  # a backward completed before tuning starts
+    model.attachment.reducer.steps = 1  # a backward completed before tuning starts
 
     def plan(last_step_ms=None):  # only the incumbent: no probe, no collectives
         tuner.incumbent = tuner.current = autotune.candidate(model.bucket_caps_bytes,
@@ -576,7 +575,7 @@ def _one_trial_samples(monkeypatch, device, steps=3):
     monkeypatch.setattr(tuner, "_make_plan", plan)
     tuner.on_forward()  # plans, starts the trial
     for _ in range(1 + steps):  # the warm-up step, then the timed ones
-        model._reducer.steps += 1  # a backward completed
+        model.attachment.reducer.steps += 1  # a backward completed
         tuner.on_forward()
     assert tuner.state == "done"
     return tuner.report()["trials"][0]["samples_ms"]

@@ -23,7 +23,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_reducer
-from fused_reducer.core import wrapper as reducer_module
+from fused_reducer.core import attachment as attachment_module
+from fused_reducer.core import validation
+from fused_reducer.core.config import ReducerConfig
 from fused_reducer.transports import transport as transport_module
 from fused_reducer.transports.transport import shared_gpus
 from dist_utils import per_rank, run_checks
@@ -56,10 +58,10 @@ def check_collective_devices(rank, world_size):
     """Stand-ins for torch.distributed record the device of every tensor the library's own
     collectives move, with the group reported as NCCL and the model 'on' cuda:<rank + 2>."""
     device = torch.device("cuda", rank + 2)
-    assert reducer_module._control_device(True, device) == device
-    assert reducer_module._control_device(False, device) == torch.device("cpu")
+    assert validation.control_device(True, device) == device
+    assert validation.control_device(False, device) == torch.device("cpu")
     with pytest.raises(RuntimeError, match="NCCL"):
-        reducer_module._control_device(True, torch.device("cpu"))
+        validation.control_device(True, torch.device("cpu"))
     seen = {}
 
     def broadcast_object_list(objects, src=None, group=None, device=None):
@@ -264,7 +266,7 @@ CUDA2 = torch.device("cuda", 2)
 
 
 def test_auto_on_cuda_picks_the_process_group_for_a_model_with_syncbatchnorm_on_nccl():
-    choose = reducer_module._one_communicator_backend
+    choose = validation.one_communicator_backend
     gloo_group = object()
     with nccl_stand_ins(gloo_groups=[gloo_group]):
         assert choose("auto", CUDA2, sync_bn_net(), None) == "process_group"
@@ -287,7 +289,7 @@ def test_auto_on_cuda_picks_the_process_group_for_a_model_with_syncbatchnorm_on_
 def test_explicit_nccl_with_syncbatchnorm_raises_naming_module_reason_and_fix():
     with nccl_stand_ins():
         with pytest.raises(fused_reducer.FusedReducerError) as refused:
-            reducer_module._one_communicator_backend("nccl", CUDA2, sync_bn_net(), None)
+            validation.one_communicator_backend("nccl", CUDA2, sync_bn_net(), None)
     message = str(refused.value)
     for part in ("backend='nccl'", "SyncBatchNorm '1.1'", "two communicators", "deadlock",
                  "backend='process_group'", "backend='auto'"):
@@ -300,28 +302,33 @@ class _Reached(Exception):
 
 
 def _attach_until_the_gpu_check(module, backend):
-    """FusedReducer._attach as construction runs it, on a model 'on' cuda:2 over a group
-    reported as NCCL, stopped at the one-rank-per-GPU check (its first collective): returns the
-    backend it is about to build the transport for."""
-    model = fused_reducer.FusedReducer.__new__(fused_reducer.FusedReducer)
-    for name, value in (("module", module), ("device", CUDA2), ("process_group", None),
-                        ("_backend_request", backend), ("backend", backend),
-                        ("_comm_hook", None)):
-        object.__setattr__(model, name, value)
-    saved = reducer_module.check_one_rank_per_gpu
+    """An Attachment as construction builds it, for a model 'on' cuda:2 over a group reported
+    as NCCL, stopped at the one-rank-per-GPU check (its first collective): returns the backend
+    it is about to build the transport for."""
+    config = ReducerConfig(bucket_caps_bytes=(1 << 20, 25 << 20), backend=backend)
+    saved = attachment_module.check_one_rank_per_gpu
+    chosen = []
+    real_resolve = attachment_module.resolve_backend
+
+    def resolve(request, device):
+        chosen.append(real_resolve(request, device))
+        return chosen[-1]
 
     def reached(group, device):
-        raise _Reached(model.backend)
+        raise _Reached(chosen[-1])
 
     try:
-        reducer_module.check_one_rank_per_gpu = reached
+        attachment_module.check_one_rank_per_gpu = reached
+        attachment_module.resolve_backend = resolve
         with nccl_stand_ins():
-            model._attach([])
+            attachment_module.Attachment(module, config, None, CUDA2, [], init_sync=True,
+                                         init_sync_buffers=True)
     except _Reached as e:
         return e.args[0]
     finally:
-        reducer_module.check_one_rank_per_gpu = saved
-    raise AssertionError("_attach did not reach the GPU check")
+        attachment_module.check_one_rank_per_gpu = saved
+        attachment_module.resolve_backend = real_resolve
+    raise AssertionError("the attachment did not reach the GPU check")
 
 
 def test_construction_applies_the_rule_before_any_collective():

@@ -15,7 +15,7 @@ from torch import nn
 
 import fused_reducer
 import fused_reducer.transports.elastic as elastic
-import fused_reducer.core.wrapper as reducer_module
+import fused_reducer.core.attachment as reducer_module
 from fused_reducer.testing.launch import reserved_port
 
 RESTARTED = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -43,7 +43,7 @@ def test_a_failed_first_collective_in_a_restarted_attempt_names_torch_and_the_fi
     if restarted:
         for key, value in RESTARTED.items():
             monkeypatch.setenv(key, value)
-    monkeypatch.setattr(reducer_module, "_verify_same_model", broken_first_collective)
+    monkeypatch.setattr(reducer_module, "verify_same_model", broken_first_collective)
     with pytest.raises(RuntimeError) as raised:
         fused_reducer.FusedReducer(nn.Linear(4, 4))
     message = str(raised.value)
@@ -188,7 +188,7 @@ def test_a_torch_dist_error_at_the_first_collective_keeps_its_class_when_explain
 
     def refused(*args, **kwargs):
         raise dist.DistNetworkError("Gloo connectFullMesh failed: Connection refused")
-    monkeypatch.setattr(reducer_module, "_verify_same_model", refused)
+    monkeypatch.setattr(reducer_module, "verify_same_model", refused)
     with pytest.raises(dist.DistNetworkError) as raised:
         fused_reducer.FusedReducer(nn.Linear(4, 4))
     assert "pytorch/pytorch#135712" in str(raised.value)
@@ -196,7 +196,7 @@ def test_a_torch_dist_error_at_the_first_collective_keeps_its_class_when_explain
     # A FusedReducer error there (a model that differs across ranks) is ours: never explained.
     def ours(*args, **kwargs):
         raise fused_reducer.FusedReducerError("parameter 0 differs across ranks")
-    monkeypatch.setattr(reducer_module, "_verify_same_model", ours)
+    monkeypatch.setattr(reducer_module, "verify_same_model", ours)
     with pytest.raises(fused_reducer.FusedReducerError) as raised:
         fused_reducer.FusedReducer(nn.Linear(4, 4))
     assert "#135712" not in str(raised.value)

@@ -85,9 +85,9 @@ def test_set_default_first_bucket_bytes_rejects_bad_values_naming_the_setting(va
 def test_sizes_beyond_any_memory_are_refused_naming_the_setting():
     """Above 2**62 bytes a limit would not fit the C++ reducer's int64: a plain error naming it,
     not pybind's "incompatible function arguments"."""
-    from fused_reducer.settings import check_bucket_caps, megabytes_to_bytes
+    from fused_reducer.settings import as_byte_list, megabytes_to_bytes
     with pytest.raises(ValueError, match=r"bucket_caps_bytes\[1\].*2\*\*62"):
-        check_bucket_caps([1 << 20, 1 << 64])
+        as_byte_list([1 << 20, 1 << 64])
     with pytest.raises(ValueError, match="bucket_cap_mb.*beyond any memory"):
         megabytes_to_bytes("bucket_cap_mb", 1e30)
 
@@ -414,14 +414,14 @@ def stall_past_the_group_timeout(rank, world_size):
     on_group = FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
         [0, 1], timeout=timedelta(seconds=9)))
     explicit = FusedReducer(nn.Linear(4, 4), timeout=7)
-    timeouts = dict(default=FusedReducer(nn.Linear(4, 4))._timeout_s,
-                    explicit=explicit._timeout_s, group=on_group._timeout_s)
+    timeouts = dict(default=FusedReducer(nn.Linear(4, 4)).attachment.timeout_s,
+                    explicit=explicit.attachment.timeout_s, group=on_group.attachment.timeout_s)
     # Unpickled, a model attaches to the default group at its first forward: that group's
     # timeout when none was asked for, the one asked for otherwise.
     for name, original in (("unpickled", on_group), ("unpickled_explicit", explicit)):
         copy = pickle.loads(pickle.dumps(original))
         copy(torch.randn(2, 4))
-        timeouts[name] = copy._timeout_s
+        timeouts[name] = copy.attachment.timeout_s
     model = FusedReducer(nn.Linear(4, 4), process_group=dist.new_group(
         [0, 1], timeout=timedelta(seconds=4)))
     loss = model(torch.randn(2, 4)).sum()

@@ -139,7 +139,7 @@ def check_nested_no_sync(rank, world):
             # (summation order of 3 ranks: see the arithmetic test)
             sync_equals_ddp=all(torch.allclose(f, d, rtol=1e-6, atol=1e-7)
                                 for f, d in zip(f_sync, d_sync)),
-            syncing_after=fused._syncing)
+            syncing_after=fused.require_backward_grad_sync)
         fused.close()
     return out
 

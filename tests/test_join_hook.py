@@ -58,13 +58,8 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
     """No spawn: FusedReducer's join hook on a stand-in model. Per shadowed step a joined rank
     issues what a training rank's backward issues, in the same order (DDP's join hook: one
     all-reduce per bucket, then the unused-parameter map with find_unused_parameters)."""
+    import types
     from fused_reducer.core import join as join_module
-    from fused_reducer.core.attachment import Attachment
-
-    class StandIn:  # the wrapper's attributes the attachment reads (weakly referenced)
-        def __init__(self, **attributes):
-            self.__dict__.update(attributes)
-            self._attachment = Attachment(self)
 
     calls = []
 
@@ -95,13 +90,15 @@ def test_a_joined_rank_shadows_each_bucket_then_the_unused_map():
 
     for find_unused in (False, True):
         calls.clear()
-        model = StandIn(
-            _reducer=Reducer(), _transport=Transport(), _comm_hook=None,
-            find_unused_parameters=find_unused, _param_names=["a", "b", "c"],
-            device=torch.device("cpu"), _will_sync_buffers=lambda: False)
-        hook = join_module.FusedReducerJoinHook(model, divide_by_initial_world_size=True)
+        attachment = types.SimpleNamespace(reducer=Reducer(), transport=Transport(),
+                                           has_comm_hook=False)
+        model = types.SimpleNamespace(  # the wrapper's public attributes the hook reads
+            find_unused_parameters=find_unused, forward_sync_buffers=False,
+            require_forward_param_sync=True, require_backward_grad_sync=True,
+            module=torch.nn.Linear(2, 2))
+        hook = join_module.FusedReducerJoinHook(model, attachment)
         saved = join_module.sync_requested
-        join_module.sync_requested = lambda m, joined: True  # the others synchronise this step
+        join_module.sync_requested = lambda a, syncing, joined: True  # the others synchronise this step
         try:
             hook.main_hook()
         finally:

@@ -15,7 +15,7 @@ from test_dropin_common import Net, build
 
 def check_lightning_timeout_reaches_the_reducer(rank, world):
     """Record what the strategy's wrapping passes to the C++ reducer and to the transport."""
-    from fused_reducer.core import wrapper as reducer_module
+    from fused_reducer.core import attachment as reducer_module
     from fused_reducer.lightning import FusedReducerStrategy
     real_c, real_make = reducer_module._C, reducer_module.make_transport
     seen = {}

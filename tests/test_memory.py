@@ -184,7 +184,7 @@ def _bucket_pages(rank, world_size):
         if step == 2:
             model.bucket_cap_mb = 0.75
         model(torch.randn(4, 256)).sum().backward()
-        starts.append([flat.data_ptr() % page for flat in model._attachment.reducer.bucket_flats()])
+        starts.append([flat.data_ptr() % page for flat in model.attachment.reducer.bucket_flats()])
     model.close()
     return starts
 

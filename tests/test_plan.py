@@ -675,14 +675,14 @@ def check_profile_round_trip(rank, world_size):
         seen.add(str(device))
         return real(values, op, group, "cpu")
 
-    saved = model._control_device
+    saved = model.attachment.control_device
     transport.control_allreduce = autotune.control_allreduce = recording
-    model._control_device = torch.device("cuda", 5)
+    model.attachment.control_device = torch.device("cuda", 5)
     try:
         model.export_profile(os.path.join(folder, "again_{rank}.json"))
     finally:
         transport.control_allreduce = autotune.control_allreduce = real
-        model._control_device = saved
+        model.attachment.control_device = saved
     return {"early": early, "profile": data, "path": path, "control_devices": sorted(seen),
             "backward_per_step": [(s["step"], s["backward_end_us"])
                                   for s in model.step_history()],

@@ -468,7 +468,7 @@ def check_infinite_timeouts(rank, world):
             model(x).sum().backward()
             expected = sum((x / (rank + 1) * (r + 1)).sum(0) for r in range(world)) / world
             out[(backend, str(timeout))] = (
-                model.backend, model._timeout_s,
+                model.backend, model.attachment.timeout_s,
                 (model.module.weight.grad - expected.expand(4, 4)).abs().max().item())
             model.close()
     for bad in (float("nan"), 0, -1.0, timedelta(0)):

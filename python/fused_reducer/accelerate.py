@@ -173,7 +173,7 @@ class Accelerator(accelerate.Accelerator):
     def _reducer_of(self, optimizer):
         params = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for reducer in list(self._reducers):
-            if params <= {id(p) for p in reducer._reducer_params()}:
+            if params <= {id(p) for p in reducer.attachment.params}:
                 return reducer
         raise ValueError(
             "fused_reducer.accelerate.Accelerator.prepare: a ShardedOptimizer needs its model's "
@@ -207,7 +207,7 @@ class Accelerator(accelerate.Accelerator):
         """The ShardedOptimizer of the prepared model that `parameters` belong to, or None."""
         given = {id(p) for p in parameters if p.requires_grad}
         for reducer in list(self._reducers):
-            optimizer = reducer._live_sharded_optimizer()
+            optimizer = reducer.attachment.sharded_optimizer
             if optimizer is None:
                 continue
             owned = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}

@@ -29,7 +29,7 @@ computes them with torch.autograd.grad and adds them to param.grad by hand, past
 hook, and both halves find the weights by the gradient accumulators of submod.parameters(). So
 this stage runs the halves itself:
 - The input half is torch's (stage_backward_input), given the tensors the graph really
-  accumulates into (``_attachment.autograd_leaves``): for a DTensor parameter, FusedReducer's
+  accumulates into (``model.attachment.autograd_leaves``): for a DTensor parameter, FusedReducer's
   plain leaf (Note [DTensor parameters] in core/tensor_parallel.py), which torch's own call
   would miss, computing no weight gradient for it at all.
 - A weight half runs each parameter group's weight backward as a torch.autograd.backward whose
@@ -115,13 +115,13 @@ class PipelineStage(_TorchPipelineStage):
         with contextlib.nullcontext() if reduce else self.submod.no_sync():
             for _, group in sorted(groups, key=lambda item: -item[0]):  # the last layer's first
                 _group_backward(group, [by_accumulator[node][1] for node in group["params"]])
-        self.submod._attachment.publish_gradients()
+        self.submod.attachment.publish_gradients()
 
     def _leaves(self):
         """The stage module's autograd leaves and {their AccumulateGrad node: (position, leaf)},
         found once per attachment of its FusedReducer (not per microbatch: a node is looked up
         through a view of its leaf; the reducer keeps the nodes alive)."""
-        attachment = self.submod._attachment
+        attachment = self.submod.attachment
         key = id(attachment.reducer)  # a new one after re-attaching: new leaves
         cached = self.__dict__.get("_leaves_cache")
         if cached is None or cached[0] != key:
@@ -134,7 +134,7 @@ class PipelineStage(_TorchPipelineStage):
     def scale_grads(self, grad_scale_factor):
         """torch's scaling by the number of microbatches, on param.grad; with a ShardedOptimizer
         on its gradient shards (param.grad is then a placeholder)."""
-        optimizer = (self.submod._attachment.sharded_optimizer
+        optimizer = (self.submod.attachment.sharded_optimizer
                      if isinstance(self.submod, FusedReducer) else None)
         if optimizer is None:
             return super().scale_grads(grad_scale_factor)
@@ -144,11 +144,11 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(self.submod, FusedReducer) and self.__dict__.get("_unreduced_weights"):
             self._unreduced_weights = False
             # See Note [Split backward]: a backward of zeros fires every gradient hook once.
-            reduced = self.submod._attachment.params[::-1]
+            reduced = self.submod.attachment.params[::-1]
             self.submod.prepare_for_backward()
             torch.autograd.backward(reduced, grad_tensors=[t.new_zeros(()).expand_as(t)
                                                            for t in reduced])
-            self.submod._attachment.publish_gradients()
+            self.submod.attachment.publish_gradients()
         super().perform_reduce_grad(grad_scale_factor)
 
 

@@ -1,7 +1,15 @@
-"""Validation of the bucket-size settings and the process-wide first-bucket default."""
+"""Validation of the bucket-size settings and the process-wide first-bucket default.
+
+Python checks what only Python can see (the type of a value, whether an int fits the C++
+reducer's int64, MiB arithmetic); the rule a value must follow is written once, in C++
+(ext/bucket_assignment.cpp, ext/bucket_layout.cpp), and called from here for values Python holds
+before a reducer exists. A setter hands the value to the C++ reducer, which checks it itself.
+"""
 import math
 import numbers
 import os
+
+from . import _C
 
 MiB = 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # DDP's default, kept so results are comparable
@@ -12,16 +20,22 @@ MAX_BYTES = 1 << 62  # a limit must fit the C++ reducer's int64
 _default_first_bucket_bytes = None  # set_default_first_bucket_bytes() wins over the environment
 
 
-def check_bytes(setting, value):
-    """Return `value` as a positive int number of bytes, or raise naming `setting`."""
+def as_bytes(setting, value):
+    """`value` as an int that fits the C++ reducer's int64, or a TypeError / ValueError naming
+    `setting`; whether it is a valid limit is C++'s check (check_bytes, or the setter's)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{setting} must be a positive int number of bytes, got {value!r} "
                         f"({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{setting} must be a positive number of bytes, got {value}")
-    if value > MAX_BYTES:
+    if abs(value) > MAX_BYTES:
         raise ValueError(f"{setting}={value} bytes is beyond any memory (at most 2**62)")
     return int(value)
+
+
+def check_bytes(setting, value):
+    """Return `value` as a positive int number of bytes, or raise naming `setting`."""
+    value = as_bytes(setting, value)
+    _C.check_bucket_bytes(setting, value)
+    return value
 
 
 def megabytes_to_bytes(setting, value):
@@ -94,29 +108,28 @@ def bucket_limits(bucket_cap_mb, first_bucket_mb, bucket_cap_mb_list):
     return [cap, cap] if bucket_cap_mb is not None else [DEFAULT_FIRST_BUCKET_BYTES, cap]
 
 
-def check_bucket_caps(caps):
-    """Return `caps` as a list of positive int byte counts, or raise naming the entry."""
+def as_byte_list(caps):
+    """`caps` as a list of ints for bucket_caps_bytes (the C++ setter checks the values), or a
+    TypeError / ValueError naming the entry."""
     if isinstance(caps, (str, bytes)) or not hasattr(caps, "__iter__"):
         raise TypeError(f"bucket_caps_bytes must be a list of positive int numbers of bytes, "
                         f"got {caps!r} ({type(caps).__name__})")
-    caps = [check_bytes(f"bucket_caps_bytes[{k}]", c) for k, c in enumerate(caps)]
-    if not caps:
-        raise ValueError("bucket_caps_bytes must list at least one limit, got []")
-    return caps
+    return [as_bytes(f"bucket_caps_bytes[{k}]", c) for k, c in enumerate(caps)]
+
+
+def as_reduce_dtype(value):
+    """`value` if it is a torch.dtype or None, else a TypeError naming it and the accepted ones;
+    which dtypes are accepted is C++'s check (check_reduce_dtype, or the setter's)."""
+    import torch
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError("reduce_dtype must be one of torch.bfloat16, torch.float16, "
+                        f"torch.float32 or None (each gradient's own dtype); got {value!r} "
+                        f"({type(value).__name__})")
+    return value
 
 
 def check_reduce_dtype(value):
     """Return `value` if it is an accepted reduce dtype (torch.bfloat16, torch.float16,
     torch.float32 or None), else raise naming it and the accepted ones."""
-    import torch
-    accepted = "torch.bfloat16, torch.float16, torch.float32 or None (each gradient's own dtype)"
-    if value is None:
-        return None
-    if not isinstance(value, torch.dtype):
-        raise TypeError(f"reduce_dtype must be one of {accepted}; got {value!r} "
-                        f"({type(value).__name__})")
-    if value not in (torch.bfloat16, torch.float16, torch.float32):
-        kind = "floating-point " if value.is_floating_point else "non-floating "
-        raise ValueError(f"reduce_dtype={value} ({kind}dtype) is not supported; accepted: "
-                         f"{accepted}")
+    _C.check_reduce_dtype(as_reduce_dtype(value))
     return value

@@ -56,7 +56,7 @@ def check_hook(hook):
                         f"hook(state, bucket) -> torch.futures.Future, got {hook!r}")
 
 
-def _hook_name(hook):
+def hook_name(hook):
     return getattr(hook, "__qualname__", None) or repr(hook)
 
 
@@ -67,7 +67,7 @@ def run_hook(state, hook, bucket):
     future = hook(state, bucket)
     if not isinstance(future, torch._C.Future):  # torch.futures.Future and c10d work futures
         raise RuntimeError(
-            f"FusedReducer: communication hook {_hook_name(hook)} returned "
+            f"FusedReducer: communication hook {hook_name(hook)} returned "
             f"{type(future).__name__}; like a DDP hook it must return a torch.futures.Future "
             "whose value is the reduced bucket tensor (e.g. "
             "dist.all_reduce(t, async_op=True).get_future().then(...)).")
@@ -77,7 +77,7 @@ def run_hook(state, hook, bucket):
         if isinstance(result, (list, tuple)):
             # Refused, as DDP refuses it: a hook that trains here must train under DDP too.
             raise FusedReducerError(
-                f"FusedReducer: the future of communication hook {_hook_name(hook)} for bucket "
+                f"FusedReducer: the future of communication hook {hook_name(hook)} for bucket "
                 f"{bucket.index()} holds a {type(result).__name__} of {len(result)} element(s), "
                 "not a tensor; DDP refuses it too. A work's future (dist.all_reduce(..., "
                 "async_op=True).get_future()) holds [tensor]: return "
@@ -87,7 +87,7 @@ def run_hook(state, hook, bucket):
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
             raise RuntimeError(
-                f"FusedReducer: the future of communication hook {_hook_name(hook)} for bucket "
+                f"FusedReducer: the future of communication hook {hook_name(hook)} for bucket "
                 f"{bucket.index()} holds {got}; expected the reduced bucket, a tensor of "
                 f"{flat.numel()} elements")
         if result.data_ptr() != flat.data_ptr() or result.dtype != flat.dtype:

@@ -23,3 +23,11 @@ def synced_states(module, buffers, parameters=True):
     if buffers:
         states += [b for n, b in module.named_buffers() if n not in ignored]
     return states
+
+
+def will_sync_buffers(model):
+    """Whether this forward of `model` (a FusedReducer) broadcasts the buffers, by DDP's rule:
+    not after a forward that did not synchronise (no_sync, no_grad). A cheap early exit per
+    forward; synced_states leaves out the ignored ones."""
+    return model.forward_sync_buffers and model.require_forward_param_sync and any(
+        True for _ in model.module.buffers())

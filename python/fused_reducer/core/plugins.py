@@ -6,11 +6,12 @@ imported (``fused_reducer/__init__.py`` imports them), and FusedReducer's ``auto
 ``export_profile()`` and ``export_trace()`` look them up by name. Like DDP's comm hook or join
 hook, the interface is small:
 
-* ``"autotuner"``: ``factory(model, **options)`` returns a forward observer (below).
+* ``"autotuner"``: ``start(model, **options)``, a collective, returns a forward observer
+  (below) once every rank accepted the options.
 * ``"export_profile"``: ``export(model, path)``, a collective; returns the path written or None.
-* ``"write_chrome_trace"``: ``write(path, history, rank=..., meta=...)``.
+* ``"export_trace"``: ``export(model, path, steps)``; returns the path written.
 
-A forward observer is what ``model._tuner`` holds: the wrapper calls ``on_forward()`` once per
+A forward observer is what ``model.attachment.tuner`` holds: the wrapper calls ``on_forward()`` once per
 synchronised step, before the forward runs (it may set the bucket limits for this step: a safe
 point); reads ``state`` (``"done"`` once it no longer issues collectives of its own: join and
 ShardedOptimizer wait for that); calls ``abandon()`` when a new one replaces it and

@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _C
 from ..errors import FusedReducerError
 from ..transports.transport import resolve_backend
 
 _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
 
 
-def _health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
+def health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
                      straggler_warn_steps):
     """The C++ reducer's health options, checked (see ext/training_health.h)."""
     if not isinstance(check_finite, bool):
@@ -39,22 +40,15 @@ def _health_settings(check_finite, straggler_interval, straggler_window, straggl
             "straggler_warn_steps": straggler_warn_steps}
 
 
-def _check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):
-    """gradient_as_bucket_view makes param.grad a view of its bucket slot: impossible when the
-    bucket holds another dtype than the gradient (see Note [Reduce dtype])."""
-    if not gradient_as_bucket_view or reduce_dtype is None:
-        return
-    for name, p in named:
-        if p.is_floating_point() and p.dtype != reduce_dtype:
-            raise FusedReducerError(
-                f"FusedReducer: gradient_as_bucket_view=True needs buckets in the gradients' own "
-                f"dtype, but reduce_dtype={reduce_dtype} differs from the dtype of parameter "
-                f"'{name}' ({p.dtype}): a {p.dtype} gradient cannot be a view of a "
-                f"{reduce_dtype} bucket. Use gradient_as_bucket_view=False, or reduce_dtype=None "
-                f"or {p.dtype}.")
+def check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):
+    """gradient_as_bucket_view with a reduce dtype other than a floating gradient's: refused
+    before any collective, by the C++ check the reduce_dtype setter runs too (Note [Reduce
+    dtype] in ext/bucket_layout.cpp)."""
+    _C.check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype,
+                                [p.dtype for _, p in named], [name for name, _ in named])
 
 
-def _refuse_compiled_autograd():
+def refuse_compiled_autograd():
     """FusedReducer's gradient hooks are C++ post-hooks on the gradient accumulators, which
     compiled autograd does not run: refuse at once rather than skip the reduction."""
     try:
@@ -72,7 +66,7 @@ def _refuse_compiled_autograd():
             "FusedReducer itself is supported.")
 
 
-def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
+def refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_params,
                                       param_to_hook_all_reduce):
     """DDP constructor arguments FusedReducer does not implement: a FusedReducerError naming
     the argument and what to use instead (never silently ignored)."""
@@ -89,7 +83,7 @@ def _refuse_unsupported_ddp_arguments(static_graph, delay_all_reduce_named_param
             "bucket_cap_mb_list=[...].")
 
 
-def _reduce_dtype_of(mixed_precision, reduce_dtype):
+def reduce_dtype_of(mixed_precision, reduce_dtype):
     """DDP's mixed_precision=_MixedPrecision(reduce_dtype=...) is FusedReducer's reduce_dtype;
     its param_dtype and buffer_dtype are refused (use torch.autocast)."""
     if mixed_precision is None:
@@ -110,7 +104,7 @@ def _reduce_dtype_of(mixed_precision, reduce_dtype):
     return wanted if wanted is not None else reduce_dtype
 
 
-def _buffer_sync_settings(broadcast_buffers, forward_sync_buffers):
+def buffer_sync_settings(broadcast_buffers, forward_sync_buffers):
     """(sync buffers before forwards, sync buffers at construction), combined as DDP combines
     its deprecated broadcast_buffers with forward_sync_buffers, with DDP's warnings."""
     if broadcast_buffers is not None:
@@ -129,7 +123,7 @@ def _buffer_sync_settings(broadcast_buffers, forward_sync_buffers):
     return effective, effective
 
 
-def _group_of(process_group, device_mesh):
+def group_of(process_group, device_mesh):
     """The process group of a 1-D device_mesh (as DDP), or process_group."""
     if device_mesh is None:
         return process_group
@@ -143,7 +137,7 @@ def _group_of(process_group, device_mesh):
     return device_mesh.get_group(mesh_dim=0)
 
 
-def _resolve_group(process_group):
+def resolve_group(process_group):
     if process_group is not None:
         return process_group
     if not dist.is_available() or not dist.is_initialized():
@@ -174,7 +168,7 @@ def _resolve_group(process_group):
 # checks) never overlap the buckets: see "Two communicators" in ext/nccl_transport.h.
 
 
-def _runs_nccl(group):
+def runs_nccl(group):
     """Whether `group` (None: the default group) moves CUDA tensors with NCCL."""
     try:
         return "nccl" in str(dist.get_backend(group)).lower()
@@ -182,21 +176,21 @@ def _runs_nccl(group):
         return False
 
 
-def _sync_batchnorms_on_nccl(module):
+def sync_batchnorms_on_nccl(module):
     """Qualified names of the torch.nn.SyncBatchNorm modules whose process group (their own, or
     the default one) runs NCCL: each all-reduces on that group's communicator in backward."""
     return [name or "(the wrapped module itself)" for name, m in module.named_modules()
-            if isinstance(m, nn.SyncBatchNorm) and _runs_nccl(m.process_group)]
+            if isinstance(m, nn.SyncBatchNorm) and runs_nccl(m.process_group)]
 
 
-def _one_communicator_backend(request, device, module, group, has_hook=False):
+def one_communicator_backend(request, device, module, group, has_hook=False):
     """The backend to construct the transport with, given the user's `request`: never the
     reducer's own NCCL communicator next to another NCCL communicator (Note [One NCCL
     communicator]). 'auto' becomes 'process_group' then; an explicit 'nccl' raises."""
     if resolve_backend(request, device) != "nccl":
         return request
-    sync_bns = _sync_batchnorms_on_nccl(module)
-    hook = has_hook and _runs_nccl(group)
+    sync_bns = sync_batchnorms_on_nccl(module)
+    hook = has_hook and runs_nccl(group)
     if not sync_bns and not hook:
         return request
     if request == "auto":
@@ -217,7 +211,7 @@ def _one_communicator_backend(request, device, module, group, has_hook=False):
         "backend='process_group' or backend='auto'.")
 
 
-def _control_device(nccl_group, device):
+def control_device(nccl_group, device):
     """Where the library's own small control tensors live: the parameters' GPU for an NCCL
     group (it only moves CUDA tensors, and never another rank's GPU), else the CPU."""
     if not nccl_group:
@@ -230,7 +224,7 @@ def _control_device(nccl_group, device):
     return device
 
 
-def _check_device_ids(device_ids, output_device, device):
+def check_device_ids(device_ids, output_device, device):
     """DDP's `device_ids` / `output_device`, accepted so that switching is a one-line change.
     The device is always the parameters'; these may only confirm it (as in DDP: None for a CPU
     module, [the module's GPU] for a single-GPU one). Outputs stay where the module puts them."""
@@ -251,13 +245,13 @@ def _check_device_ids(device_ids, output_device, device):
             f"{device}; FusedReducer leaves outputs where the module puts them. Leave it out.")
 
 
-def _refuse_sync_batch_norm_on_cpu(module, device):
+def refuse_sync_batch_norm_on_cpu(module, device):
     if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         raise ValueError("FusedReducer: SyncBatchNorm layers only work with GPU modules (as in "
                          "DDP); use torch.nn.BatchNorm for a CPU model, or move it to a GPU")
 
 
-def _refuse_sparse_gradients(module):
+def refuse_sparse_gradients(module):
     for name, sub in module.named_modules():
         if getattr(sub, "sparse", False) is True:
             raise FusedReducerError(
@@ -266,7 +260,7 @@ def _refuse_sparse_gradients(module):
                 "sparse=False (dense gradients) or keep it outside FusedReducer")
 
 
-def _refuse_wrapped_twice(module, wrapper_class):
+def refuse_wrapped_twice(module, wrapper_class):
     """A model already wrapped (FusedReducer or DDP, at its root or in a submodule) would have
     every gradient reduced by each wrapper: twice the traffic per step, silently. Refused on
     every rank alike, before any collective."""
@@ -309,7 +303,7 @@ def _describe(row):
     return f"shape {tuple(dims)} {dtype}"
 
 
-def _verify_same_model(group, names, params, device):
+def verify_same_model(group, names, params, device):
     """Every rank must wrap the same parameters; otherwise raise, on every rank, naming the first
     mismatching parameter. DDP over gloo crashes or hangs here instead."""
     world = dist.get_world_size(group)

@@ -160,13 +160,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_hooks = []   # forward pre-hooks of the modules owning each bucket's params
         self._hooks_traced = False  # some of them run inside a torch.compile graph
         # The model's parameters (DTensors too: Note [DTensor parameters]) and the reducer's.
-        self._index = {id(p): i for params in (model._attachment.params,
-                                               model._attachment.module_params)
+        self._index = {id(p): i for params in (model.attachment.params,
+                                               model.attachment.module_params)
                        for i, p in enumerate(params)}
         self._group_of = {}
         for g, group in enumerate(self.param_groups):
             self._adopt(g, group)
-        model._attachment.use_sharded_optimizer(self)
+        model.attachment.use_sharded_optimizer(self)
         self._layout = None      # (bucket_params, bucket_offsets, bucket_numels) of _fragments
         self._fragments = []     # this rank's fragments, bucket by bucket
         self._inner = None       # optimizer_class over the fragments
@@ -174,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # fragments hold, and the one zero_grad() cleared: a step() with no backward since
         # zero_grad() updates nothing, as with a plain optimizer.
         self._attached_step = None
-        self._cleared_step = model._attachment.reducer.completed_steps()
+        self._cleared_step = model.attachment.reducer.completed_steps()
         self._zeros_kept = False  # the last zero_grad() was set_to_none=False
         self._layout_changed = False
         # {param index: (begin, end, state)}: stretches of a sharded checkpoint loaded before the
@@ -193,8 +193,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         f"{tuple(p.shape)}) is not a parameter of the model wrapped by this "
                         "FusedReducer")
                 continue
-            if not _dense(self.model._attachment.params[self._index[id(p)]]):
-                name = self.model._attachment.param_names[self._index[id(p)]]
+            if not _dense(self.model.attachment.params[self._index[id(p)]]):
+                name = self.model.attachment.param_names[self._index[id(p)]]
                 raise ShardedOptimizerError(
                     f"ShardedOptimizer: parameter '{name}' (sizes {tuple(p.shape)}, strides "
                     f"{p.stride()}) is not dense in memory (a view with gaps); shards are cut in "
@@ -215,7 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- the fragments ---------------------------------------------------------------------------
     def _current_layout(self):
-        reducer = self.model._attachment.reducer
+        reducer = self.model.attachment.reducer
         if not reducer.sharded_layout():
             return None  # sharded mode starts at the next forward
         return (reducer.bucket_params(), reducer.bucket_offsets(), reducer.bucket_numels())
@@ -240,7 +240,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _build(self, layout):
         bucket_params, bucket_offsets, numels = layout
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         world = dist.get_world_size(self.model.process_group)
         rank = dist.get_rank(self.model.process_group)
         fragments = []
@@ -278,7 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ensure_fragments()
         if self._inner is None:
             return
-        reducer = self.model._attachment.reducer
+        reducer = self.model.attachment.reducer
         step = reducer.completed_steps()
         if step == self._attached_step:
             return
@@ -299,7 +299,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flats = reducer.bucket_flats()
         used = reducer.joined_used_map() if self.model.find_unused_parameters else None
         used = used.cpu() if used is not None else None
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         for f in self._fragments:
             if used is not None and int(used[f.index]) == 0:
                 f.opt.grad = torch.zeros_like(f.opt) if self._zeros_kept else None
@@ -344,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One model takes one ShardedOptimizer: the latest (a resumed one replaces the old).
         An older one would read the buckets the newer one's all-gather fills with parameters
         as its gradients."""
-        if self.model._attachment.live_sharded_optimizer() is not self:
+        if self.model.attachment.sharded_optimizer is not self:
             raise ShardedOptimizerError(
                 "ShardedOptimizer: a newer ShardedOptimizer was made for this model and replaced "
                 "this one; one model takes one. For different settings per part of the model, "
@@ -360,12 +360,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ShardedOptimizerError(f"ShardedOptimizer: norm_type must be positive (a p-norm, "
                                         f"or inf), got {norm_type}")
-        tensor_parallel = self.model._attachment.tensor_parallel_norm(
+        tensor_parallel = self.model.attachment.tensor_parallel_norm(
             [(f.index, f.opt.grad) for f in self._fragments
              if f.opt.grad is not None and f.index in self._group_of], norm_type)
         if tensor_parallel is not None:  # shards summed over their TP groups too
             return grads, tensor_parallel.to(self._norm_result_dtype())
-        device = self.model._attachment.control_device
+        device = self.model.attachment.control_device
         # Every rank sends float64 (its shards' dtypes can differ from another rank's, and a rank
         # may hold none); the norm comes back in the parameters' widest real dtype, as torch's.
         if norm_type == float("inf"):
@@ -392,7 +392,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameters (bfloat16 for a bfloat16 model, master_dtype or not; float32 for bfloat16 +
         float32; float64 with a float64 or complex128 one): the same on every rank (all know
         every parameter)."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         dtypes = [params[i].dtype.to_real() for i in self._group_of]
         return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
@@ -444,10 +444,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         update, and the next backward overwrites it anyway (no memory beyond DDP's buckets).
         All are launched at once; they are finished here, or with overlap_param_gather by the
         next forward (Note [Overlapped parameter all-gather])."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         bucket_params, _, numels = self._layout
-        buckets = self.model._attachment.reducer.bucket_flats()
-        transport = self.model._attachment.transport
+        buckets = self.model.attachment.reducer.bucket_flats()
+        transport = self.model.attachment.transport
         for b, (indices, numel) in enumerate(zip(bucket_params, numels)):
             dtype = params[indices[0]].dtype
             flat = (buckets[b] if buckets[b].dtype == dtype
@@ -467,13 +467,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         before reading parameters outside the model's forward (an EMA, a checkpoint of
         model.module): forward, step(), clip_grad_norm_(), state_dict() and model.state_dict()
         call it."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         bucket_params, bucket_offsets, _ = self._layout if self._layout else ((), (), ())
         for b in sorted(self._gathers if buckets is None else buckets):
             if b not in self._gathers:
                 continue
             work, flat = self._gathers.pop(b)
-            work.wait(self.model._attachment.timeout_s)
+            work.wait(self.model.attachment.timeout_s)
             indices, offsets = bucket_params[b], bucket_offsets[b]
             _C.scaled_copy([flat[o:o + params[i].numel()] for i, o in zip(indices, offsets)],
                            [_storage_order(params[i].detach()) for i in indices], 1.0)
@@ -497,11 +497,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._hooks_traced = _compiled_inside(self.model.module)
         bucket_of = {index: b for b, indices in enumerate(self._layout[0]) for index in indices}
-        position = {id(p): i for i, p in enumerate(self.model._attachment.params)}
+        position = {id(p): i for i, p in enumerate(self.model.attachment.params)}
         handles = [self._layout]
         for module in self.model.module.modules():
-            owned = {bucket_of[position[id(p)]] for p in module._parameters.values()
-                     if p is not None and id(p) in position}
+            owned = {bucket_of[position[id(p)]] for p in module.parameters(recurse=False)
+                     if id(p) in position}
             if owned:
                 def finish(module, args, owned=tuple(sorted(owned))):
                     if torch.compiler.is_compiling():
@@ -512,7 +512,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_hooks = handles
 
     def zero_grad(self, set_to_none=True):
-        self.model._attachment.reducer.clear_released_gradients()
+        self.model.attachment.reducer.clear_released_gradients()
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:
@@ -522,7 +522,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for f in self._fragments:
             f.opt.grad = None
         self._zeros_kept = not set_to_none
-        self._cleared_step = self.model._attachment.reducer.completed_steps()
+        self._cleared_step = self.model.attachment.reducer.completed_steps()
         self._attached_step = None
 
     # -- checkpoints: the plain optimizer's format ------------------------------------------------
@@ -555,7 +555,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _plain_state(self):
         """{plain index: {key: full tensor or value}}, from the fragments of every rank."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         plain_of = {self._index[id(p)]: i for i, p in
                     enumerate(p for group in self.param_groups for p in group["params"])
                     if id(p) in self._index}
@@ -574,7 +574,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         time, in the same order on every rank, from `pieces` ({param index: (begin, end,
         state)}: this rank's stretches). Collective; a parameter's pieces are dropped once it is
         assembled, so no rank holds more than its stretches and one parameter's state."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         group = self.model.process_group
         # What each parameter's state is, from any rank holding a stretch of it (small): the
         # per-element keys' dtypes, the scalars' values (kept on their device: CPU for Adam's).
@@ -613,7 +613,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for f in self._of_param.get(index, ()):
                 mine = {}
                 for key, value in state.items():
-                    if not _per_element(key, value, self.model._attachment.params[index]):
+                    if not _per_element(key, value, self.model.attachment.params[index]):
                         mine[key] = value.clone() if torch.is_tensor(value) else value
                     elif key != "master_param":
                         mine[key] = value[f.begin:f.end].to(f.opt.dtype, copy=True)
@@ -636,7 +636,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._loaded_pieces is not None:
             return dict(self._loaded_pieces)
         pieces = {}
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         world = dist.get_world_size(self.model.process_group)
         rank = dist.get_rank(self.model.process_group)
         for index in self._group_of:
@@ -659,7 +659,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         it on every rank. Note [Sharded checkpoint format] in sharded/checkpoint.py."""
         self.finish_param_gather()
         self._ensure_fragments()
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         name_of = checkpoint.names_of(self.model.module)
         world = dist.get_world_size(self.model.process_group)
         rank = dist.get_rank(self.model.process_group)
@@ -702,7 +702,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer class or other parameter groups raises and changes nothing. Collective."""
         self.finish_param_gather()
         self._ensure_fragments()
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         name_of = checkpoint.names_of(self.model.module)
         checkpoint.check_loadable(self.optimizer_class, self.param_groups, name_of, state_dict)
         index_of = {name_of[id(params[i])]: i for i in self._group_of}
@@ -730,7 +730,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                    for f in self._fragments if f.index in pieces)
         same = torch.tensor([int(same and len(pieces) == len(
             {f.index for f in self._fragments if f.index in pieces}))],
-            device=self.model._attachment.control_device)
+            device=self.model.attachment.control_device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.model.process_group)  # all or none
         if not bool(same.item()):
             self._move(pieces)
@@ -757,7 +757,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _distribute_loaded(self):
         """self.state (full tensors, keyed by parameter) -> the fragments' state; then drops it."""
-        params = self.model._attachment.params
+        params = self.model.attachment.params
         for f in self._fragments:
             full = self.state.get(params[f.index])
             if not full:

@@ -232,7 +232,7 @@ class Autotuner:
         if self.state == "done":
             return
         now = self.clock.mark()
-        completed = self.model._attachment.reducer.completed_steps()
+        completed = self.model.attachment.reducer.completed_steps()
         if self.state == "waiting":
             if completed >= self.min_steps:
                 # The last step, forward to forward, as a trial would have measured it.
@@ -261,11 +261,11 @@ class Autotuner:
     # -- planning ------------------------------------------------------------------------------
     def _make_plan(self, last_step_ms=None):
         model = self.model
-        reducer = model._attachment.reducer
+        reducer = model.attachment.reducer
         self.incumbent = candidate(model.bucket_caps_bytes, model.last_bucket_bytes)
-        info = ParamInfo(model._attachment.params, model.reduce_dtype)
-        latency_us, bytes_per_us = probe_transport(model._attachment.transport, model.device, self.group,
-                                                   control_device=model._attachment.control_device)
+        info = ParamInfo(model.attachment.params, model.reduce_dtype)
+        latency_us, bytes_per_us = probe_transport(model.attachment.transport, model.device, self.group,
+                                                   control_device=model.attachment.control_device)
         plan = None
         if self.rank == 0:
             try:
@@ -274,7 +274,7 @@ class Autotuner:
                 plan = {"error": f"{type(e).__name__}: {e}"}
         box = [plan]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                   device=self.model._attachment.control_device)
+                                   device=self.model.attachment.control_device)
         plan = box[0]
         if "error" in plan:
             self.state = "done"  # tuning abandoned; the limits in force stay
@@ -378,7 +378,7 @@ class Autotuner:
         # Read only now (on CUDA this waits for the trial's last event), per rank before the MAX.
         times = [_INVALID if s is None else self.clock.elapsed_ms(*s) for s in self.pending]
         agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,
-                                   self.model._attachment.control_device)
+                                   self.model.attachment.control_device)
         valid = [t for t in agreed if t < _INVALID / 2]
         self.samples[self.current].extend(valid)
         log.debug("rank %d: autotune trial %s round %d: step ms %s", self.rank, self.current,
@@ -427,7 +427,7 @@ class Autotuner:
             best = self.incumbent
         box = [best]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                   device=self.model._attachment.control_device)
+                                   device=self.model.attachment.control_device)
         best = tuple(box[0])
         self._set(best)
         self.choice = best
@@ -488,7 +488,27 @@ class Autotuner:
                 "incumbent": None if self.incumbent is None else limits_json(self.incumbent)}
 
 
-provide("autotuner", Autotuner)  # FusedReducer's hook point: see core/plugins.py
+def start_autotune(model, **options):
+    """FusedReducer.autotune(): a new Autotuner for `model`, once every rank accepted the
+    options (collective). A planner_hint file missing on some rank only must not leave the
+    others tuning alone: their collectives would wait for it."""
+    from ..errors import FusedReducerError
+    try:
+        tuner, refused = Autotuner(model, **options), None
+    except (ValueError, TypeError, OSError) as e:
+        tuner, refused = None, e
+    ok, = control_allreduce([0.0 if refused else 1.0], dist.ReduceOp.MIN, model.process_group,
+                            model.attachment.control_device)
+    if refused is not None:
+        raise refused
+    if not ok:
+        raise FusedReducerError("FusedReducer.autotune: another rank refused these options "
+                                "(its error says why, e.g. a planner_hint file it cannot "
+                                "read); tuning was not started on any rank")
+    return tuner
+
+
+provide("autotuner", start_autotune)  # FusedReducer's hook point: see core/plugins.py
 
 
 def _observed_step_ms(history, last_step_ms=None):

@@ -41,12 +41,12 @@ def export_profile(model, path):
     from ..transports.transport import control_allreduce  # looked up per call (tests stand it in)
     from ..build import build_info
 
-    reducer = model._attachment.reducer
+    reducer = model.attachment.reducer
     group = model.process_group
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     history = reducer.history()
-    control = model._attachment.control_device
+    control = model.attachment.control_device
     # Checked together, so that no rank is left waiting in the probe when another one raises.
     steps, = control_allreduce([len(history)], dist.ReduceOp.MIN, group, control)
     if steps < 2:
@@ -54,7 +54,7 @@ def export_profile(model, path):
             f"export_profile needs at least 2 completed synchronised steps of telemetry, a rank "
             f"has {int(steps)}: train a few steps first")
 
-    latency_us, bytes_per_us = probe_transport(model._attachment.transport, model.device, group,
+    latency_us, bytes_per_us = probe_transport(model.attachment.transport, model.device, group,
                                                control_device=control)
     phases = _step_phases(history)
     local_backward_us = phases["backward_end_us"]
@@ -83,7 +83,7 @@ def export_profile(model, path):
     phases["bucket_copy_backs_us"] = [None if math.isnan(v) else v / world
                                       for v in summed[len(waits):]]
 
-    info = ParamInfo(model._attachment.params, model.reduce_dtype)  # ignored ones left out
+    info = ParamInfo(model.attachment.params, model.reduce_dtype)  # ignored ones left out
     ready = _median_ready_times(reducer.last_ready_times(), history, stretch)
     last = history[-1]
     profile = {
@@ -101,7 +101,7 @@ def export_profile(model, path):
         "groups": info.group_names,
         "params": [{"name": name, "bytes": size, "group": g,
                     "ready_us": None if math.isnan(t) else t}
-                   for name, size, g, t in zip(model._attachment.param_names, info.sizes, info.groups, ready)],
+                   for name, size, g, t in zip(model.attachment.param_names, info.sizes, info.groups, ready)],
         "ready_order": [int(i) for i in reducer.last_ready_order()],
         "buckets": [[int(i) for i in b] for b in reducer.bucket_params()],
         "steps_recorded": len(history),

@@ -102,4 +102,19 @@ def write_chrome_trace(path, history, rank=0, meta=None):
     return path
 
 
-provide("write_chrome_trace", write_chrome_trace)  # FusedReducer's hook point: see core/plugins.py
+def export_trace(model, path, steps=None):
+    """FusedReducer.export_trace(): the telemetry of the last `steps` steps of `model` (default
+    all kept) written to `path` ("{rank}" replaced); returns the path written."""
+    import torch.distributed as dist
+    history = model.step_history()
+    if steps is not None:
+        history = history[-int(steps):] if int(steps) > 0 else []
+    rank = dist.get_rank(model.process_group)
+    path = str(path).format(rank=rank)
+    write_chrome_trace(path, history, rank=rank,
+                       meta={"transport": model.stats()["transport"],
+                             "world_size": dist.get_world_size(model.process_group)})
+    return path
+
+
+provide("export_trace", export_trace)  # FusedReducer's hook point: see core/plugins.py
