@@ -24,7 +24,6 @@ from ..errors import FusedReducerError, raise_nonfinite
 from ..transports.elastic import restart_failure
 from ..transports.transport import (backend_of, check_one_rank_per_gpu, group_timeout,
                                     make_transport, resolve_backend, timeout_seconds)
-from .comm_hooks import GradBucket, run_hook
 from .module_states import synced_states
 from .sharded_mode import released_gradients
 from .tensor_parallel import TensorParallelParameters, local_of
@@ -43,7 +42,8 @@ class Attachment:
     (the DTensor parameters' bookkeeping, false for a model without them)."""
 
     def __init__(self, module, config, group, device, named, *, init_sync, init_sync_buffers,
-                 comm_hook=None, sharded=False, trace_steps=100):
+                 hook_registered=False, sharded=False, trace_steps=100):
+        # hook_registered: a comm hook will be set (set_comm_hook), which picks the transport.
         self.module = module
         self.config = config
         self.group = group
@@ -52,14 +52,14 @@ class Attachment:
         self.tensor_parallel = TensorParallelParameters(module, named, group)
         self.params = self.tensor_parallel.reduced(named)
         self.reducer = self.transport = None
-        self.comm_hook = None  # (state, hook)
+        self._launch_hook = None  # the registered comm hook's bucket launcher
         self.sharded = False  # a ShardedOptimizer reduce-scatters the buckets (Note [Sharded mode])
         self.tuner = None  # the forward observer autotune() starts (see core/plugins.py)
         self._sharded_optimizer = None  # weakly: the optimizer holds the model, not the reverse
 
         # Before any collective, so every rank refuses alike: see Note [One NCCL communicator].
         request = one_communicator_backend(config.backend, device, module, group,
-                                           comm_hook is not None)
+                                           hook_registered)
         # None: the process group's own timeout, which DDP's collectives wait (the Trainer's
         # ddp_timeout); inf / timedelta.max: a year, see timeout_seconds.
         self.timeout_s = timeout_seconds(group_timeout(group, device) if config.timeout is None
@@ -85,8 +85,6 @@ class Attachment:
         self.reducer.set_trace_capacity(trace_steps)
         if sharded:
             self.enter_sharded_mode()
-        if comm_hook is not None:
-            self.set_comm_hook(*comm_hook)
         _live_attachments.add(self)
 
     # -- the parameters ----------------------------------------------------------------------
@@ -141,18 +139,17 @@ class Attachment:
     # -- the communication hook (DDP's register_comm_hook) -----------------------------------
     @property
     def has_comm_hook(self):
-        return self.comm_hook is not None
+        return self._launch_hook is not None
 
-    def set_comm_hook(self, state, hook):
-        self.comm_hook = (state, hook)
+    def set_comm_hook(self, launch):
+        """`launch(index, is_last, flat, views, indices)` (comm_hooks.bucket_launcher) runs the
+        registered hook on each bucket from now on."""
+        self._launch_hook = launch
         self.reducer.set_comm_hook(_comm_hook_launcher(self))
 
     def run_comm_hook(self, index, is_last, flat, views, params):
-        """The registered communication hook on one bucket: its future."""
-        state, hook = self.comm_hook
-        # The reducer's parameters: a DTensor parameter's local leaf, shaped like its gradient.
-        bucket = GradBucket(index, is_last, flat, views, [self.params[i] for i in params])
-        return run_hook(state, hook, bucket)
+        """The registered communication hook on one bucket: run_hook's ``finish``."""
+        return self._launch_hook(index, is_last, flat, views, params)
 
     # -- the sharded optimizer ---------------------------------------------------------------
     @property

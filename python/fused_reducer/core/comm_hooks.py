@@ -95,3 +95,15 @@ def run_hook(state, hook, bucket):
                 flat.copy_(result.view(-1))
 
     return finish
+
+
+def bucket_launcher(state, hook, params):
+    """What the C++ reducer calls when a bucket is complete and a hook is registered:
+    ``launch(index, is_last, flat, views, indices)`` runs the hook on that bucket, its
+    parameters ``params[i]`` for i in indices (the reducer's: a DTensor parameter's local leaf,
+    shaped like its gradient), and returns run_hook's ``finish``."""
+    def launch(index, is_last, flat, views, indices):
+        return run_hook(state, hook, GradBucket(index, is_last, flat, views,
+                                                [params[i] for i in indices]))
+
+    return launch

@@ -5,7 +5,7 @@ point for rebuilds); every per-gradient step runs in the C++ reducer (ext/reduce
 model is attached to (group, transport, C++ reducer, parameters) is its Attachment
 (core/attachment.py), built from its ReducerConfig (core/config.py); the rest lives beside it:
 which backward is reduced (core/backward_arming.py), norms (core/norms.py), the sharded mode
-(core/sharded_mode.py), copies (core/copies.py), the tools of the tuning layer (core/plugins.py).
+(core/sharded_mode.py), copies (core/copies.py), reports and exports (core/reports.py).
 """
 from contextlib import contextmanager
 import warnings
@@ -20,7 +20,7 @@ from ..settings import as_byte_list, as_bytes, as_reduce_dtype
 from ..transports.transport import resolve_backend
 from .attachment import Attachment
 from .backward_arming import BackwardArming
-from .comm_hooks import check_hook, hook_name
+from .comm_hooks import bucket_launcher, check_hook, hook_name
 from .config import ReducerConfig
 from .copies import copied_state
 from .debug_log import LayoutLog, debug_enabled, log
@@ -28,6 +28,7 @@ from .join import FusedReducerJoinHook, common_rank, sync_requested
 from .module_states import reduced_parameters, synced_states, will_sync_buffers
 from .norms import clip_targets, gradient_norm
 from .plugins import tool
+from .reports import Reports
 from .sharded_mode import before_sharded_forward, finish_param_gather
 from .tensor_parallel import group_named, refuse_unpicklable_hooks
 from .validation import (buffer_sync_settings, check_bucket_view_dtypes, check_device_ids,
@@ -36,7 +37,7 @@ from .validation import (buffer_sync_settings, check_bucket_view_dtypes, check_d
                          refuse_wrapped_twice, resolve_group, runs_nccl)
 
 
-class FusedReducer(nn.Module, Joinable):
+class FusedReducer(nn.Module, Joinable, Reports):
     """Data-parallel wrapper: after ``loss.backward()`` every ``param.grad`` holds the average over
     the ranks of ``process_group``. Buckets follow DDP's rules (see README), but the first bucket
     and the cap stay tunable while training: set ``first_bucket_bytes`` / ``bucket_cap_bytes`` and
@@ -161,8 +162,11 @@ class FusedReducer(nn.Module, Joinable):
         self._attachment = Attachment(
             self.module, self._config, self.process_group, self.device, named,
             init_sync=self.init_sync, init_sync_buffers=self._init_sync_buffers,
-            comm_hook=self._comm_hook, sharded=self._attach_sharded,
+            hook_registered=self._comm_hook is not None, sharded=self._attach_sharded,
             trace_steps=self._trace_steps)
+        if self._comm_hook is not None:
+            self._attachment.set_comm_hook(bucket_launcher(*self._comm_hook,
+                                                           self._attachment.params))
         self.backend = self._attachment.backend
         self._has_tp = bool(self._attachment.tensor_parallel)  # a plain bool, read by forward
         if self._layout_log is not None:
@@ -297,22 +301,11 @@ class FusedReducer(nn.Module, Joinable):
         if timed:
             self._attachment.reducer.end_forward_sync()
 
-    def _live_attachment(self):
-        """The attachment; a closed or unpickled model has none until attached again."""
-        if self._attachment is None:
-            raise RuntimeError("FusedReducer: this model was closed or unpickled; run a forward "
-                               "(after unpickling) or wrap the module again (after close())")
-        return self._attachment
-
     def _live_reducer(self):
-        return self._live_attachment().reducer
+        return self._attachment_or_raise().reducer
 
     def _checked_reducer(self):
-        """The C++ reducer, once a collective that failed in the background (NCCL watchdog) has
-        raised: setters report it like forward does."""
-        attachment = self._live_attachment()
-        attachment.transport.check()
-        return attachment.reducer
+        return self._checked_attachment().reducer
 
     def state_dict(self, *args, **kwargs):
         finish_param_gather(self._attachment)
@@ -329,7 +322,7 @@ class FusedReducer(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        attachment = self._live_attachment()
+        attachment = self._attachment_or_raise()
         if attachment.sharded:
             raise FusedReducerError(
                 "FusedReducer.join: uneven inputs are not supported with a ShardedOptimizer yet "
@@ -345,7 +338,7 @@ class FusedReducer(nn.Module, Joinable):
 
     @property
     def join_device(self):
-        return self._live_attachment().control_device
+        return self._attachment_or_raise().control_device
 
     @property
     def join_process_group(self):
@@ -378,7 +371,7 @@ class FusedReducer(nn.Module, Joinable):
         own NCCL communicator in use (``backend="nccl"``, which "auto" picks on CUDA) this raises
         FusedReducerError naming the fix. See Note [One NCCL communicator]."""
         check_hook(hook)
-        attachment = self._live_attachment()
+        attachment = self._attachment_or_raise()
         if attachment.sharded:
             raise FusedReducerError(
                 f"FusedReducer: cannot register communication hook {hook_name(hook)}: a "
@@ -404,14 +397,14 @@ class FusedReducer(nn.Module, Joinable):
                 "'process_group') under Lightning), then register the hook: everything then "
                 "runs on the process group's communicator, as under DDP.")
         self._comm_hook = (state, hook)
-        attachment.set_comm_hook(state, hook)
+        attachment.set_comm_hook(bucket_launcher(state, hook, attachment.params))
 
     def prepare_for_backward(self):
         """Arm the reduction for one more backward of the same forward's graph (DDP's
         ``reducer.prepare_for_backward``): manual optimization with several backward passes per
         training step, e.g. Lightning's ``manual_backward``. Collective like forward."""
         if torch.is_grad_enabled() and self._syncing:
-            attachment = self._live_attachment()
+            attachment = self._attachment_or_raise()
             if attachment.tuner is not None and not self._require_forward_param_sync:
                 # Pipeline schedules run every forward inside no_sync(): the step's reduction is
                 # decided here, so the tuner's step starts here.
@@ -549,38 +542,6 @@ class FusedReducer(nn.Module, Joinable):
             attachment.tuner.abandon()  # a restart starts from the user's limits, not a trial's
         attachment.tuner = tuner
 
-    def autotune_report(self):
-        """{done, trials: [{first_bucket_bytes, bucket_cap_bytes, last_bucket_bytes, step_ms,
-        ...}], choice: {...} or None, ...}; see docs/TUNING.md."""
-        tuner = self._live_attachment().tuner
-        if tuner is None:
-            return {"done": False, "state": "not started", "trials": [], "choice": None}
-        return tuner.report()
-
-    # -- training health -------------------------------------------------------------------------
-    def straggler_report(self):
-        """Which ranks are late, from each rank's slack: how long it waited for the others in
-        the step's collectives, its last bucket's and its forward's (Note [Lateness from slack]
-        in ext/training_health.cpp), exchanged every `straggler_interval` steps (every step
-        with check_finite): lateness_ms (per rank: how long after the earliest rank it reached
-        them, median of its last `straggler_window` steps; None: not measured), slack_ms (per
-        rank: that wait, the same median),
-        slowest, stragglers (late beyond threshold_ms in the last exchange), late_steps (per
-        rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
-        (straggler_threshold_ms, or automatic: 15 % of median_step_ms, and at least jitter_ms,
-        the ranks' median step-to-step scatter of their slack, and 1 ms: Note [A straggler is
-        late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
-        step (of the last exchange, 0: none yet), interval, window, measured (whether any
-        rank's lateness is known yet).
-        On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on
-        the compute stream, once the device has finished them (Note [Lateness from slack on
-        the GPU] in ext/reducer.cpp). The same on every rank; local, no collective."""
-        report = dict(self._checked_reducer().straggler_report())
-        for key in ("lateness_ms", "slack_ms"):
-            report[key] = [None if math.isnan(v) else v for v in report[key]]
-        report["measured"] = any(v is not None for v in report["lateness_ms"])
-        return report
-
     def grad_norm(self, norm_type=2.0):
         """The global norm of the averaged gradients: what
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type) computes, read
@@ -593,7 +554,7 @@ class FusedReducer(nn.Module, Joinable):
         misses). With a ShardedOptimizer: its norm over the shards (collective: call on every
         rank)."""
         norm_type = float(norm_type)
-        attachment = self._live_attachment()
+        attachment = self._attachment_or_raise()
         if attachment.sharded:
             return self._sharded_optimizer_for("grad_norm").grad_norm(norm_type)
         total, source = gradient_norm(attachment, self.module, norm_type)
@@ -606,7 +567,7 @@ class FusedReducer(nn.Module, Joinable):
         grad_norm() (no pass over the gradients to measure them; one to scale them, torch's
         clip_grads_with_norm_, as torch does). Returns the total norm. With a
         ShardedOptimizer: its clip_grad_norm_ (collective)."""
-        if self._live_attachment().sharded:
+        if self._attachment_or_raise().sharded:
             return self._sharded_optimizer_for("clip_grad_norm_").clip_grad_norm_(
                 max_norm, norm_type, error_if_nonfinite)
         total = self.grad_norm(norm_type)
@@ -627,58 +588,3 @@ class FusedReducer(nn.Module, Joinable):
                 f"FusedReducer.{what}: this model is in sharded mode but its ShardedOptimizer "
                 "is gone; the averaged gradients exist only as its shards")
         return optimizer
-
-    # -- introspection -------------------------------------------------------------------------
-    def bucket_sizes(self):
-        """Bytes per bucket of the layout in force, in launch order."""
-        return list(self._live_reducer().bucket_sizes())
-
-    def bucket_parameter_names(self):
-        """Parameter names per bucket of the layout in force, in launch order."""
-        names = self._live_attachment().param_names
-        return [[names[i] for i in bucket] for bucket in self._live_reducer().bucket_params()]
-
-    def stats(self):
-        """step; allreduces and allreduce_bytes: the gradients' collectives of the last
-        completed step (one per bucket, plus the used map's with find_unused_parameters, as
-        DDP); health_exchanges and health_exchange_bytes: that step's check_finite / straggler
-        exchange, counted apart (every step with check_finite, else every straggler_interval
-        steps); rebuilds, limits, reduce_dtype (of the layout in force: str(torch.dtype) or None);
-        telemetry of the last step: buckets_detail (per bucket: bytes, params, ready_first_us,
-        ready_last_us, launch_us, pack_us, complete_us, wait_us; microseconds after the step's
-        first gradient), overlap, exposed_wait_us, backward_end_us."""
-        return dict(self._live_reducer().stats())
-
-    def step_history(self):
-        """Telemetry of the last steps kept (at most trace_steps), oldest first: one dict per
-        step like stats()'s telemetry, with the limits in force and per-bucket records."""
-        return list(self._live_reducer().history())
-
-    @property
-    def trace_steps(self):
-        """How many steps of telemetry are kept for step_history() and export_trace()."""
-        return self._trace_steps
-
-    @trace_steps.setter
-    def trace_steps(self, steps):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"trace_steps must be a positive int, got {steps!r}")
-        self._trace_steps = steps
-        if self._attachment is not None:
-            self._attachment.reducer.set_trace_capacity(steps)
-
-    def export_trace(self, path, steps=None):
-        """Write the telemetry of the last `steps` steps (default all kept) as a Chrome trace
-        (JSON, opens in Perfetto / chrome://tracing): a row for the step, one for backward and
-        the end-of-backward wait, one per bucket (fill, copy, all-reduce, exposed wait). `path`
-        may contain "{rank}". Returns the path written."""
-        return tool("export_trace", "FusedReducer.export_trace")(self, path, steps)
-
-    def export_profile(self, path):
-        """Write this run's profile (JSON, versioned) for `python -m fused_reducer.plan`:
-        per-parameter bytes and median ready times, step phases, limits, probed transport,
-        machine (docs/PLANNING.md). Collective: call on every rank after >= 2 steps; rank 0
-        writes `path` (every rank with "{rank}" in it). Returns the path written or None."""
-        export_profile = tool("export_profile", "FusedReducer.export_profile")
-        self._checked_reducer()
-        return export_profile(self, path)

@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ..errors import ShardedOptimizerError
-from ..core.wrapper import FusedReducer
+from ..core.attachment import Attachment
 from . import checkpoint
 from .checkpoint import per_element as _per_element
 from .checkpoint import storage_order as _storage_order  # the order of a bucket slot: Note [Slot layout]
@@ -132,10 +132,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model, optimizer_class, params=None, master_dtype=None,
                  overlap_param_gather=False, **defaults):
-        if not isinstance(model, FusedReducer):
+        # A FusedReducer's attachment (the optimizer needs nothing else of the wrapper).
+        if not isinstance(getattr(model, "attachment", None), Attachment):
             raise ShardedOptimizerError(
-                f"ShardedOptimizer: model must be a fused_reducer.FusedReducer, got "
-                f"{type(model).__name__}")
+                f"ShardedOptimizer: model must be a fused_reducer.FusedReducer attached to its "
+                f"process group (not closed), got {type(model).__name__}")
         if optimizer_class not in ELEMENTWISE:
             name = getattr(optimizer_class, "__name__", repr(optimizer_class))
             raise ShardedOptimizerError(
