@@ -8,7 +8,7 @@ torch's PipelineStage recognises only DistributedDataParallel (and FSDP) by isin
 reaches into DDP's reducer (``submod.reducer.prepare_for_backward(outputs)``) before the last
 microbatch's backward; any other module is run with a plain forward and backward, which under a
 pipeline schedule (several forwards before their backwards) reduces every microbatch (Note
-[Several forwards before their backwards] in core/wrapper.py). This subclass drives a
+[Several forwards before their backwards] in core/backward_arming.py). This subclass drives a
 FusedReducer stage module through its public API with the protocol torch uses for DDP: every
 forward and all but the last backward of a step inside ``no_sync()`` (the gradients accumulate
 locally), ``prepare_for_backward()`` just before the last microbatch's backward, which then

@@ -55,7 +55,7 @@ contains a compiled module, all all-gathers are finished before the forward inst
 
 After a synchronised backward in sharded mode the averaged gradients exist only as shards: the
 local, unreduced gradients are released once their bucket is reduced, and param.grad holds a
-placeholder (core/wrapper.py's _ReleasedGradient: the parameter's shape and dtype, no values) until
+placeholder (core/sharded_mode.py's ReleasedGradient: the parameter's shape and dtype, no values) until
 zero_grad() or the next forward, through step() (where a plain optimizer leaves its gradients).
 Reading it raises ShardedGradientError naming the parameter, so
 torch.nn.utils.clip_grad_norm_(model.parameters()), GradScaler.unscale_ or a gradient norm logged
