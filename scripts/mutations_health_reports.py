@@ -1,7 +1,7 @@
 """Mutation entries for the straggler report and the step's counts (issue 38); same format as
 scripts/mutations.py's MUTATIONS."""
 
-HEALTH_CPP = "ext/training_health.cpp"
+HEALTH_CPP = "ext/health_checks.cpp"
 HEALTH = "tests/test_health.py::"
 REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[world2]"
 NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about[world2]"
@@ -99,7 +99,7 @@ MUTATIONS += [
 MUTATIONS += [
     dict(
         id="straggler-step-time-in-seconds",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("(now_us() - telemetry.forward_time_us()) / 1000.0);",
                 "(now_us() - telemetry.forward_time_us()) / 1e6);")],
         why="median_step_ms holds seconds (a unit slip): the automatic threshold's fraction of "

@@ -1,4 +1,4 @@
-#include "training_health.h"
+#include "health_checks.h"
 
 #include <c10/util/Exception.h>
 
@@ -54,7 +54,7 @@ std::string milliseconds(double ms) {
 
 }  // namespace
 
-TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
+HealthChecks::HealthChecks(HealthOptions options, int rank, int world_size)
     : options_(options), rank_(rank), world_size_(world_size), warned_(world_size, 0) {
   TORCH_CHECK(options_.straggler_interval >= 0,
               "FusedReducer: straggler_interval must be >= 0 steps (0: off), got ",
@@ -75,7 +75,7 @@ TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
   report_.window = options_.straggler_window;
 }
 
-bool TrainingHealth::end_step(const std::vector<double>& slack_ms, double step_ms) {
+bool HealthChecks::end_step(const std::vector<double>& slack_ms, double step_ms) {
   slack_ms_.insert(slack_ms_.end(), slack_ms.begin(), slack_ms.end());
   step_ms_.push_back(step_ms);
   while (static_cast<int64_t>(slack_ms_.size()) > options_.straggler_window) {
@@ -87,20 +87,20 @@ bool TrainingHealth::end_step(const std::vector<double>& slack_ms, double step_m
   return shadow_step();
 }
 
-bool TrainingHealth::next_step_exchanges() const {
+bool HealthChecks::next_step_exchanges() const {
   const int64_t next = steps_ + 1;
   const bool stragglers_due =
       options_.straggler_interval > 0 && next % options_.straggler_interval == 0;
   return options_.check_finite || stragglers_due;
 }
 
-bool TrainingHealth::shadow_step() {
+bool HealthChecks::shadow_step() {
   const bool due = next_step_exchanges();
   steps_ += 1;
   return due;
 }
 
-at::Tensor TrainingHealth::row(int64_t nonfinite, bool joined) const {
+at::Tensor HealthChecks::row(int64_t nonfinite, bool joined) const {
   at::Tensor row = at::zeros({kRow * static_cast<int64_t>(world_size_)}, at::kDouble);
   double* entries = row.mutable_data_ptr<double>() + kRow * rank_;
   entries[0] = static_cast<double>(nonfinite);
@@ -110,7 +110,7 @@ at::Tensor TrainingHealth::row(int64_t nonfinite, bool joined) const {
   return row;
 }
 
-int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
+int64_t HealthChecks::total_nonfinite(const at::Tensor& summed_rows) {
   const double* rows = summed_rows.const_data_ptr<double>();
   double total = 0;
   for (int64_t r = 0; r < summed_rows.numel() / kRow; ++r) {
@@ -132,7 +132,7 @@ int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
 // a step's slack is its wait there plus its last bucket's (Reducer::begin_forward_sync). Each
 // rank reports the median of its last `straggler_window` slacks, so one slow step does not
 // name a rank. See Note [A straggler is late relative to the step] for who is named and warned.
-void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
+void HealthChecks::update_stragglers(const at::Tensor& summed_rows) {
   const int64_t step = steps_;  // counted alike on joined ranks: the report is the same on all
   const double* rows = summed_rows.const_data_ptr<double>();
   double earliest = -std::numeric_limits<double>::infinity();
@@ -223,19 +223,19 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
 // 30 runs: named by step 20 in 29 (the other one was only 9-11 % late), warned at step 20 in
 // 24. That is the price of the quiet: on a noisy host (load 4.5 in bursts, 15 ms steps) it was
 // warned at step 20 in 3 of 20 runs (the rule of before: 8).
-double TrainingHealth::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
+double HealthChecks::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
   const double of_step = std::isnan(median_step_ms) ? 0.0 : kLateFractionOfStep * median_step_ms;
   const double of_jitter = std::isnan(jitter_ms) ? 0.0 : kJitterFactor * jitter_ms;
   return std::max({of_step, of_jitter, kSchedulerNoiseMs});
 }
 
-std::string TrainingHealth::take_warning() {
+std::string HealthChecks::take_warning() {
   std::string warning;
   warning.swap(warning_);
   return warning;
 }
 
-at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
+at::Tensor HealthChecks::detail_row(const std::vector<int64_t>& counts,
                                       const std::vector<int64_t>& order) const {
   at::Tensor row = at::zeros({kDetail * world_size_}, at::kDouble);
   double* entries = row.mutable_data_ptr<double>() + kDetail * rank_;
@@ -256,7 +256,7 @@ at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
   return row;
 }
 
-std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
+std::string HealthChecks::nonfinite_message(const at::Tensor& summed_rows,
                                               const at::Tensor& summed_detail,
                                               const std::vector<std::string>& names,
                                               int64_t step, bool sharded) const {
@@ -292,7 +292,7 @@ std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
   return out.str();
 }
 
-std::string TrainingHealth::averaged_nonfinite_message(
+std::string HealthChecks::averaged_nonfinite_message(
     const std::vector<std::pair<std::string, int64_t>>& found, int64_t step,
     const std::string& reduction) const {
   std::ostringstream out;

@@ -49,9 +49,9 @@ struct StragglerReport {
   int64_t window = 0;
 };
 
-class TrainingHealth {
+class HealthChecks {
  public:
-  TrainingHealth(HealthOptions options, int rank, int world_size);
+  HealthChecks(HealthOptions options, int rank, int world_size);
 
   const HealthOptions& options() const { return options_; }
 
@@ -93,7 +93,7 @@ class TrainingHealth {
                                 bool sharded) const;
 
   // The error when every rank's local gradients were finite but their average is not
-  // (Note [Averages that overflow] in step_health.cpp): `found` (parameter name, non-finite
+  // (Note [Averages that overflow] in health_exchange.cpp): `found` (parameter name, non-finite
   // elements of its average), `reduction` says what reduced them.
   std::string averaged_nonfinite_message(const std::vector<std::pair<std::string, int64_t>>& found,
                                          int64_t step, const std::string& reduction) const;
