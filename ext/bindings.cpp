@@ -188,13 +188,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // What a Reducer is built with (ext/reducer_options.h): fields read and written by name.
   using fused_reducer::HealthOptions;
   using fused_reducer::ReducerOptions;
-  py::class_<HealthOptions>(m, "HealthOptions")
-      .def(py::init<>())
-      .def_readwrite("check_finite", &HealthOptions::check_finite)
-      .def_readwrite("straggler_interval", &HealthOptions::straggler_interval)
-      .def_readwrite("straggler_window", &HealthOptions::straggler_window)
-      .def_readwrite("straggler_threshold_ms", &HealthOptions::straggler_threshold_ms)
-      .def_readwrite("straggler_warn_steps", &HealthOptions::straggler_warn_steps);
+  py::class_<HealthOptions> health_options(m, "HealthOptions");
+  health_options.def(py::init<>());
+  fused_reducer::for_each_health_option(
+      [&](const char* name, auto field) { health_options.def_readwrite(name, field); });
   py::class_<ReducerOptions>(m, "ReducerOptions")
       .def(py::init<>())
       .def_readwrite("bucket_caps_bytes", &ReducerOptions::bucket_caps_bytes)

@@ -103,10 +103,10 @@ bool HealthChecks::shadow_step() {
 at::Tensor HealthChecks::row(int64_t nonfinite, bool joined) const {
   at::Tensor row = at::zeros({kRow * static_cast<int64_t>(world_size_)}, at::kDouble);
   double* entries = row.mutable_data_ptr<double>() + kRow * rank_;
-  entries[0] = static_cast<double>(nonfinite);
-  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});
-  entries[2] = joined ? kNaN : median({step_ms_.begin(), step_ms_.end()});
-  entries[3] = joined ? kNaN : interquartile_range({slack_ms_.begin(), slack_ms_.end()});
+  entries[kNonfinite] = static_cast<double>(nonfinite);
+  entries[kSlackMs] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});
+  entries[kStepMs] = joined ? kNaN : median({step_ms_.begin(), step_ms_.end()});
+  entries[kSlackIqrMs] = joined ? kNaN : interquartile_range({slack_ms_.begin(), slack_ms_.end()});
   return row;
 }
 
@@ -114,7 +114,7 @@ int64_t HealthChecks::total_nonfinite(const at::Tensor& summed_rows) {
   const double* rows = summed_rows.const_data_ptr<double>();
   double total = 0;
   for (int64_t r = 0; r < summed_rows.numel() / kRow; ++r) {
-    total += rows[kRow * r];
+    total += rows[kRow * r + kNonfinite];
   }
   return static_cast<int64_t>(total);
 }
@@ -140,9 +140,9 @@ void HealthChecks::update_stragglers(const at::Tensor& summed_rows) {
   std::vector<double> scatters;
   for (int r = 0; r < world_size_; ++r) {
     const double* entries = rows + kRow * r;
-    if (!std::isnan(entries[1])) earliest = std::max(earliest, entries[1]);
-    steps.push_back(entries[2]);
-    scatters.push_back(entries[3]);
+    if (!std::isnan(entries[kSlackMs])) earliest = std::max(earliest, entries[kSlackMs]);
+    steps.push_back(entries[kStepMs]);
+    scatters.push_back(entries[kSlackIqrMs]);
   }
   report_.median_step_ms = median(steps);
   report_.jitter_ms = median(scatters);
@@ -157,7 +157,7 @@ void HealthChecks::update_stragglers(const at::Tensor& summed_rows) {
   double slowest = -1;
   std::ostringstream warning;
   for (int r = 0; r < world_size_; ++r) {
-    const double slack = rows[kRow * r + 1];
+    const double slack = rows[kRow * r + kSlackMs];
     const double lateness = std::isnan(slack) ? kNaN : earliest - slack;
     report_.lateness_ms[r] = lateness;
     report_.slack_ms[r] = slack;
@@ -267,7 +267,7 @@ std::string HealthChecks::nonfinite_message(const at::Tensor& summed_rows,
       << " (check_finite=True), in the local gradients of ";
   bool first_rank = true;
   for (int r = 0; r < world_size_; ++r) {
-    const auto count = static_cast<int64_t>(rows[kRow * r]);
+    const auto count = static_cast<int64_t>(rows[kRow * r + kNonfinite]);
     if (count == 0) continue;
     const double* entries = detail + kDetail * r;
     const auto params = static_cast<int64_t>(entries[0]);

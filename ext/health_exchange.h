@@ -1,10 +1,11 @@
-// Training health as the gradient route sees it: one object the route calls at the begin of
-// a step (its first gradient hook), at each bucket's launch and completion, at the end of
-// backward, and around the forward's collectives. It composes HealthChecks (the per-rank
-// state and the rows of the exchange, health_checks.h) with what only the route can
-// measure: non-finite counts and norms from the copies (Note [Statistics from the copy]),
-// the slack on the host clock or on the device's timing events (Note [Lateness from slack
-// on the GPU]), and the exchange itself (Note [Health exchange]).
+// The health exchange: what the health checks (health_checks.h) need from the gradient route,
+// measured while a step runs, and the exchange at its end. The route calls it at the begin of a
+// step (its first gradient hook), at each bucket's launch and completion, at the end of
+// backward, and around the forward's collectives. It measures what only the route can:
+// non-finite counts and norms from the copies (Note [Statistics from the copy]), the slack on
+// the host clock or on the device's timing events (Note [Lateness from slack on the GPU]); at
+// the end of a step it all-reduces the checks' rows over the buckets' transport and hands the
+// sums back to HealthChecks (Note [Health exchange]).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,8 +20,8 @@
 #include <vector>
 
 #include "bucket_copy.h"
-#include "step_telemetry.h"
 #include "health_checks.h"
+#include "step_telemetry.h"
 
 namespace fused_reducer {
 

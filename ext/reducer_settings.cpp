@@ -241,7 +241,7 @@ int64_t Reducer::completed_steps() const {
 }
 
 // ---------------------------------------------------------------------------
-// Training health (health_exchange.h)
+// Training health (health_exchange.h runs the checks of health_checks.h)
 // ---------------------------------------------------------------------------
 
 void Reducer::set_nonfinite_handler(std::function<void(const std::string&)> handler) {

@@ -48,8 +48,8 @@ MUTATIONS = [
     dict(
         id="straggler-lateness-from-the-latest-rank",
         file=HEALTH_CPP,
-        edits=[("    if (!std::isnan(entries[1])) earliest = std::max(earliest, entries[1]);",
-                "    if (!std::isnan(entries[1])) earliest = entries[1];")],
+        edits=[("    if (!std::isnan(entries[kSlackMs])) earliest = std::max(earliest, entries[kSlackMs]);",
+                "    if (!std::isnan(entries[kSlackMs])) earliest = entries[kSlackMs];")],
         why="lateness is measured from the last rank's slack instead of the earliest rank's: "
             "with 3 ranks the wrong rank is named",
         tests=[REPORT],
@@ -88,8 +88,8 @@ MUTATIONS += [
     dict(
         id="straggler-joined-rank-reports-its-stale-median",
         file=HEALTH_CPP,
-        edits=[("  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});",
-                "  entries[1] = median({slack_ms_.begin(), slack_ms_.end()});")],
+        edits=[("  entries[kSlackMs] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});",
+                "  entries[kSlackMs] = median({slack_ms_.begin(), slack_ms_.end()});")],
         why="a joined rank contributes the median of slacks from before it joined: it can be "
             "named late (or make others late) for steps it did not train",
         tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[world2]"],
