@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the straggler report stay quiet on a healthy job on a loaded machine, and still name a
 rank that is late by a fifth of the step? (issues 38 and 48; Note [A straggler is late relative
-to the step] in ext/training_health.cpp)
+to the step] in ext/health_checks.cpp)
 
     python bench/straggler_noise.py                        # 20 balanced + 10 late runs, 2 busy loops
     python bench/straggler_noise.py --runs 100 --late-runs 0 --runs-per-launch 25 --json h.json

@@ -10,6 +10,7 @@
 #include "process_group_transport.h"
 #include "shm_transport.h"
 #include "reducer.h"
+#include "transport_registry.h"
 
 #ifdef FUSED_REDUCER_WITH_CUDA
 #include "nccl_transport.h"
@@ -211,13 +212,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // What a Reducer is built with (ext/reducer_options.h): fields read and written by name.
   using fused_reducer::HealthOptions;
   using fused_reducer::ReducerOptions;
-  py::class_<HealthOptions>(m, "HealthOptions")
-      .def(py::init<>())
-      .def_readwrite("check_finite", &HealthOptions::check_finite)
-      .def_readwrite("straggler_interval", &HealthOptions::straggler_interval)
-      .def_readwrite("straggler_window", &HealthOptions::straggler_window)
-      .def_readwrite("straggler_threshold_ms", &HealthOptions::straggler_threshold_ms)
-      .def_readwrite("straggler_warn_steps", &HealthOptions::straggler_warn_steps);
+  py::class_<HealthOptions> health_options(m, "HealthOptions");
+  health_options.def(py::init<>());
+  fused_reducer::for_each_health_option(
+      [&](const char* name, auto field) { health_options.def_readwrite(name, field); });
   py::class_<ReducerOptions>(m, "ReducerOptions")
       .def(py::init<>())
       .def_readwrite("bucket_caps_bytes", &ReducerOptions::bucket_caps_bytes)
@@ -380,6 +378,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Remove the segment's name once every rank has mapped it.")
       .def("start_peer_checks", &fused_reducer::ShmTransport::start_peer_checks,
            "Once every rank has mapped the segment: watch the peers' processes while waiting.");
+
+  // Every transport by name (ext/transport_registry.h): the one way Python makes a transport.
+  using fused_reducer::TransportArgs;
+  py::class_<TransportArgs>(m, "TransportArgs")
+      .def(py::init<>())
+      .def_readwrite("group", &TransportArgs::group)
+      .def_property(
+          "id", [](const TransportArgs& args) { return py::bytes(args.id); },
+          [](TransportArgs& args, const std::string& id) { args.id = id; })
+      .def_readwrite("create", &TransportArgs::create)
+      .def_readwrite("rank", &TransportArgs::rank)
+      .def_readwrite("world_size", &TransportArgs::world_size)
+      .def_readwrite("device", &TransportArgs::device)
+      .def_readwrite("chunk_bytes", &TransportArgs::chunk_bytes)
+      .def_property(
+          "timeout_seconds",
+          [](const TransportArgs& args) {
+            return std::chrono::duration<double>(args.timeout).count();
+          },
+          [](TransportArgs& args, double seconds) {
+            args.timeout = fused_reducer::shm::timeout_from_seconds(seconds);
+          });
+  // Joining a transport waits for the peers (NCCL init), so it runs without the GIL; released
+  // inside, not by call_guard, because pybind11 registers the new instance (Python objects)
+  // after the function returns, and that needs the GIL. The object is the transport's own
+  // class (ShmTransport, ...): pybind11 returns the most derived type bound above.
+  m.def("make_registered_transport",
+        [](const std::string& name, const TransportArgs& args) {
+          py::gil_scoped_release no_gil;
+          return fused_reducer::make_registered_transport(name, args);
+        },
+        py::arg("name"), py::arg("args"));
+  m.def("registered_transports", &fused_reducer::registered_transports,
+        "The names of the transports this build registered, sorted.");
 
   m.def("settle_released_works",
         [](double deadline_seconds) {

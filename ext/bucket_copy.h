@@ -22,7 +22,7 @@ struct CopyJob {
 //   added to norms = float64 [sum of x^2, sum of |x|, max |x|].
 // Both tensors live on the copies' device: the CUDA kernel adds to them atomically (no host
 // synchronisation); the host reads them at the end of backward (nonfinite, and with
-// check_finite sum |x| too: Note [Averages that overflow] in step_health.cpp) or when the norm
+// check_finite sum |x| too: Note [Averages that overflow] in health_exchange.cpp) or when the norm
 // is asked for (norms). Jobs the fused kernel or the CPU loop cannot take are observed by
 // ATen reductions on the same tensors (a pass of their own: strided or unusual dtypes only).
 struct CopyStats {

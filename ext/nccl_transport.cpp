@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cuda_check.h"
+#include "transport_registry.h"
 
 namespace fused_reducer {
 namespace {
@@ -206,6 +207,13 @@ std::unique_ptr<PendingCollective> NcclTransport::launch(
 std::string NcclTransport::name() const {
   return "nccl";
 }
+
+// Made by transports/transport.py's nccl_transport once rank 0's unique id reached every rank;
+// registered in CUDA builds only.
+FUSED_REDUCER_REGISTER_TRANSPORT("nccl", [](const TransportArgs& args) {
+  return std::make_shared<NcclTransport>(args.id, args.rank, args.world_size, args.device,
+                                         args.timeout);
+});
 
 }  // namespace fused_reducer
 

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "transport_registry.h"
 namespace fused_reducer {
 
 namespace {
@@ -288,5 +289,10 @@ std::string ProcessGroupTransport::name() const {
 }
 
 void ProcessGroupTransport::check() { deadlines_->check(); }
+
+// Made by transports/transport.py's process_group_transport, on any torch.distributed group.
+FUSED_REDUCER_REGISTER_TRANSPORT("process_group", [](const TransportArgs& args) {
+  return std::make_shared<ProcessGroupTransport>(args.group);
+});
 
 }  // namespace fused_reducer

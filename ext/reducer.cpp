@@ -568,8 +568,8 @@ void Reducer::finalize_backward() {
 }
 
 // What the health exchange needs to know of the step that just ended.
-StepHealth::StepEnd Reducer::step_end() {
-  StepHealth::StepEnd end;
+HealthExchange::StepEnd Reducer::step_end() {
+  HealthExchange::StepEnd end;
   end.step = stats_.step;
   end.sharded = sharded_;
   end.sharded_layout = layout_.in_force().sharded;

@@ -16,7 +16,8 @@
 //   bucket_layout.h      the buckets, their slots and memory, the rebuild from rank 0
 //   unused_parameters.h  the used map, parameters no rank uses
 //   step_telemetry.h     bucket and step timing, the history ring
-//   step_health.h        non-finite counts, norms from the copy, slack, the health exchange
+//   health_exchange.h    what the health checks measure on the route (non-finite counts, norms
+//                        from the copy, slack) and their exchange at the end of backward
 // reducer_settings.cpp holds the setters and introspection (lock, then one unit).
 #pragma once
 
@@ -38,8 +39,8 @@
 
 #include "bucket_copy.h"
 #include "bucket_layout.h"
+#include "health_exchange.h"
 #include "reducer_options.h"
-#include "step_health.h"
 #include "step_telemetry.h"
 #include "transport.h"
 #include "unused_parameters.h"
@@ -170,8 +171,9 @@ class Reducer {
   void set_trace_capacity(int64_t steps);
   int64_t completed_steps() const;
 
-  // Training health, see training_health.h. The handler raises the check_finite error
-  // (the bindings make it Python's NonFiniteGradientError); without one, a c10::Error.
+  // Training health: the checks in health_checks.h, run by health_exchange.h. The handler
+  // raises the check_finite error (the bindings make it Python's NonFiniteGradientError);
+  // without one, a c10::Error.
   void set_nonfinite_handler(std::function<void(const std::string&)> handler);
   StragglerReport straggler_report() const;
   std::string take_straggler_warning();
@@ -203,7 +205,7 @@ class Reducer {
   void queue_finalize();
   void finalize_backward();
   void record_step(double backward_end, double finalize_end);
-  StepHealth::StepEnd step_end();
+  HealthExchange::StepEnd step_end();
   void check_not_decided_unused(int64_t index) const;
   void wait_for_bucket(size_t index);
   void wait_for_launched_quietly();
@@ -239,7 +241,7 @@ class Reducer {
   BucketLayout layout_;
   UnusedParameters unused_;
   StepTelemetry telemetry_;
-  StepHealth health_;
+  HealthExchange health_;
 
   // Iteration state, reset by prepare_forward.
   bool expect_hooks_ = false;             // armed by a synchronised forward

@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "training_health.h"
+#include "health_checks.h"
 
 namespace fused_reducer {
 
@@ -40,7 +40,7 @@ struct ReducerOptions {
   // dtype of the buckets of floating-point gradients; nullopt: each gradient's
   // own dtype. See Note [Reduce dtype].
   std::optional<at::ScalarType> reduce_dtype;
-  // check_finite and the straggler report: see training_health.h.
+  // check_finite and the straggler report: see health_checks.h.
   HealthOptions health;
 };
 

@@ -1,5 +1,5 @@
 // Reducer's settings and introspection: each takes the lock, then reads or changes one of
-// the units (bucket_layout.h, unused_parameters.h, step_telemetry.h, step_health.h) or a
+// the units (bucket_layout.h, unused_parameters.h, step_telemetry.h, health_exchange.h) or a
 // switch of the route. The route itself is in reducer.cpp.
 #include "reducer.h"
 
@@ -241,7 +241,7 @@ int64_t Reducer::completed_steps() const {
 }
 
 // ---------------------------------------------------------------------------
-// Training health (step_health.h)
+// Training health (health_exchange.h runs the checks of health_checks.h)
 // ---------------------------------------------------------------------------
 
 void Reducer::set_nonfinite_handler(std::function<void(const std::string&)> handler) {

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport_registry.h"
 namespace fused_reducer {
 
 // The worker thread and everything it shares with the callers: on the heap,
@@ -382,5 +383,11 @@ void ShmTransport::reduce(Job& job) {
   limits.waiting_for = &job.waiting_for;
   shm::run(*segment_, rank_, job.op, io, chunks_done_, limits);
 }
+
+// Made by transports/transport.py's shm_transport once every rank knows the segment's name.
+FUSED_REDUCER_REGISTER_TRANSPORT("shm", [](const TransportArgs& args) {
+  return std::make_shared<ShmTransport>(args.id, args.create, args.rank, args.world_size,
+                                        args.chunk_bytes, args.timeout);
+});
 
 }  // namespace fused_reducer

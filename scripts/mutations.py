@@ -573,7 +573,7 @@ MUTATIONS = [
     dict(
         id="shm-auto-no-fallback",
         file="python/fused_reducer/transports/transport.py",
-        edits=[("        if requested == \"shm\":\n            raise RuntimeError(",
+        edits=[("        if requested == name:\n            raise RuntimeError(",
                 "        if True:\n            raise RuntimeError(")],
         why="backend='auto' raises where shared memory cannot be used (ranks on several hosts, a "
             "full /dev/shm) instead of using the process group: multi-node CPU training breaks",

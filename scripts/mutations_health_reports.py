@@ -1,7 +1,7 @@
 """Mutation entries for the straggler report and the step's counts (issue 38); same format as
 scripts/mutations.py's MUTATIONS."""
 
-HEALTH_CPP = "ext/training_health.cpp"
+HEALTH_CPP = "ext/health_checks.cpp"
 HEALTH = "tests/test_health.py::"
 REPORT = HEALTH + "test_the_straggler_report_is_the_median_of_each_ranks_measured_slack[world2]"
 NAMED = HEALTH + "test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_never_warned_about[world2]"
@@ -48,8 +48,8 @@ MUTATIONS = [
     dict(
         id="straggler-lateness-from-the-latest-rank",
         file=HEALTH_CPP,
-        edits=[("    if (!std::isnan(entries[1])) earliest = std::max(earliest, entries[1]);",
-                "    if (!std::isnan(entries[1])) earliest = entries[1];")],
+        edits=[("    if (!std::isnan(entries[kSlackMs])) earliest = std::max(earliest, entries[kSlackMs]);",
+                "    if (!std::isnan(entries[kSlackMs])) earliest = entries[kSlackMs];")],
         why="lateness is measured from the last rank's slack instead of the earliest rank's: "
             "with 3 ranks the wrong rank is named",
         tests=[REPORT],
@@ -88,8 +88,8 @@ MUTATIONS += [
     dict(
         id="straggler-joined-rank-reports-its-stale-median",
         file=HEALTH_CPP,
-        edits=[("  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});",
-                "  entries[1] = median({slack_ms_.begin(), slack_ms_.end()});")],
+        edits=[("  entries[kSlackMs] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});",
+                "  entries[kSlackMs] = median({slack_ms_.begin(), slack_ms_.end()});")],
         why="a joined rank contributes the median of slacks from before it joined: it can be "
             "named late (or make others late) for steps it did not train",
         tests=[HEALTH + "test_join_with_check_finite_and_straggler_exchanges_matches_ddps_join[world2]"],
@@ -99,7 +99,7 @@ MUTATIONS += [
 MUTATIONS += [
     dict(
         id="straggler-step-time-in-seconds",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("(now_us() - telemetry.forward_time_us()) / 1000.0);",
                 "(now_us() - telemetry.forward_time_us()) / 1e6);")],
         why="median_step_ms holds seconds (a unit slip): the automatic threshold's fraction of "

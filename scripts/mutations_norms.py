@@ -45,7 +45,7 @@ MUTATIONS = [
     # -- C++: Reducer::snapshot_gradients / copy_norms ----------------------------------------------
     dict(
         id="norm-unreduced-kept-grad-trusted",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("      norms_valid_ = false;  // a gradient no rank produced this step, kept as it was",
                 "      (void)0;  // a gradient no rank produced this step, kept as it was")],
         why="a parameter no rank used this step (find_unused_parameters) but whose .grad was "
@@ -55,7 +55,7 @@ MUTATIONS = [
     ),
     dict(
         id="norm-version-not-compared",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("    if (impl != grad_snapshot_[i].first || (impl != nullptr && grad._version() != grad_snapshot_[i].second)) {",
                 "    if (impl != grad_snapshot_[i].first) {")],
         why="copy_norms trusts the probes alone for an in-place change: one that leaves the "
@@ -65,7 +65,7 @@ MUTATIONS = [
     ),
     dict(
         id="norm-tensor-identity-not-compared",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("    if (impl != grad_snapshot_[i].first || (impl != nullptr && grad._version() != grad_snapshot_[i].second)) {",
                 "    if (impl != nullptr && grad._version() != grad_snapshot_[i].second) {")],
         why="copy_norms compares only version counters: param.grad replaced by a new tensor "
@@ -74,7 +74,7 @@ MUTATIONS = [
     ),
     dict(
         id="norm-probes-not-compared",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("  if (grad_probes_.defined()) {\n    const at::Tensor now = gradient_probes();",
                 "  if (false) {\n    const at::Tensor now = gradient_probes();")],
         why="the probes are kept but never compared: changes the version counter misses "
@@ -83,7 +83,7 @@ MUTATIONS = [
     ),
     dict(
         id="norm-trusted-before-probes-were-taken",
-        file="ext/step_health.cpp",
+        file="ext/health_exchange.cpp",
         edits=[("  if (!norms_valid_ || !grad_probes_taken_) {",
                 "  if (!norms_valid_) {")],
         why="the model's first grad_norm() call uses the copy although that backward kept no "

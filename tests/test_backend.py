@@ -1,8 +1,10 @@
-"""Backend selection: clear errors when NCCL is asked of what cannot use it (runs on CPU)."""
+"""Backend selection: clear errors when NCCL is asked of what cannot use it, and every backend a
+transport the build registered by its name (runs on CPU)."""
 import pytest
 import torch
 
 import fused_reducer
+from fused_reducer.transports import transport as transport_module
 from fused_reducer.transports.transport import resolve_backend
 
 
@@ -51,3 +53,15 @@ def test_build_info_reports_what_was_built():
     else:  # the CPU/process-group path (CPU torch, no toolkit, or FUSED_REDUCER_NO_CUDA=1)
         assert info["nccl_version"] is None and info["cuda_arch_list"] == "", info
         assert not hasattr(fused_reducer._C, "NcclTransport")
+
+
+def test_every_backend_is_a_transport_the_build_registered_by_the_same_name():
+    absent = set() if transport_module.nccl_built() else {"nccl"}  # a CPU build has no NCCL
+    built = set(transport_module.TRANSPORTS) - absent
+    assert fused_reducer._C.registered_transports() == sorted(built)
+    assert transport_module.BACKENDS == ("auto", "nccl", "shm", "process_group")
+
+
+def test_a_transport_the_build_did_not_register_is_refused_naming_those_it_has():
+    with pytest.raises(RuntimeError, match="no transport 'carrier-pigeon' in this build.*'shm'"):
+        transport_module.registered_transport("carrier-pigeon", rank=0)

@@ -13,6 +13,7 @@
 The GPU side of the same behaviour runs in tests/test_gpu.py (bench/gpu_check.sh).
 """
 import gc
+import types
 import weakref
 from contextlib import contextmanager
 
@@ -68,15 +69,17 @@ def check_collective_devices(rank, world_size):
         seen["unique_id_staging"] = device
         objects[0] = objects[0] or b"x" * 128
 
-    class FakeTransport:
-        def __init__(self, unique_id, rank, world, index, timeout):
-            seen["transport_device_index"] = index
-
     saved = (dist.get_backend, dist.broadcast_object_list, transport_module._C)
 
     class FakeC:
         BUILD_INFO = {"cuda": True}
-        NcclTransport = FakeTransport
+        TransportArgs = types.SimpleNamespace
+
+        @staticmethod
+        def make_registered_transport(name, args):
+            assert name == "nccl", name
+            seen["transport_device_index"] = args.device
+            return object()
 
         @staticmethod
         def nccl_unique_id():

@@ -659,7 +659,7 @@ def test_a_rank_sleeping_40_ms_is_named_within_10_steps_and_a_balanced_run_is_ne
         assert loader["report"]["stragglers"] == [1], loader["report"]
         assert loader["report"]["lateness_ms"][1] >= 30, loader["report"]
         # Turning slow mid-run, 5 or more steps before an exchange: named at it, and nobody
-        # before (within 14 steps whatever the phase, Note in training_health.h).
+        # before (within 14 steps whatever the phase, Note in health_checks.h).
         onset = out["late_onset"]
         assert onset["named_at"] is not None and onset["named_at"] <= 10, onset
         assert all(step > 23 for step, _ in onset["named_ever"]), onset

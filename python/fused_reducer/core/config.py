@@ -20,7 +20,7 @@ from .validation import health_settings, reduce_dtype_of
 
 @dataclasses.dataclass(frozen=True)
 class HealthConfig:
-    """The health checks (ext/training_health.h): check_finite and the straggler report."""
+    """The health checks (ext/health_checks.h): check_finite and the straggler report."""
     check_finite: bool = False
     straggler_interval: int = 10
     straggler_window: int = 10

@@ -36,7 +36,7 @@ class Reports:
     def straggler_report(self):
         """Which ranks are late, from each rank's slack: how long it waited for the others in
         the step's collectives, its last bucket's and its forward's (Note [Lateness from slack]
-        in ext/training_health.cpp), exchanged every `straggler_interval` steps (every step
+        in ext/health_checks.cpp), exchanged every `straggler_interval` steps (every step
         with check_finite): lateness_ms (per rank: how long after the earliest rank it reached
         them, median of its last `straggler_window` steps; None: not measured), slack_ms (per
         rank: that wait, the same median),
@@ -44,7 +44,7 @@ class Reports:
         rank, steps late in a row; the warning comes at straggler_warn_steps), threshold_ms
         (straggler_threshold_ms, or automatic: 15 % of median_step_ms, and at least jitter_ms,
         the ranks' median step-to-step scatter of their slack, and 1 ms: Note [A straggler is
-        late relative to the step] in ext/training_health.cpp), median_step_ms, jitter_ms,
+        late relative to the step] in ext/health_checks.cpp), median_step_ms, jitter_ms,
         step (of the last exchange, 0: none yet), interval, window, measured (whether any
         rank's lateness is known yet).
         On CPU the slack is read off the host clock; on GPU buckets off CUDA timing events on

@@ -18,7 +18,7 @@ _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into nu
 
 def health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
                      straggler_warn_steps):
-    """The C++ reducer's health options, checked (see ext/training_health.h)."""
+    """The C++ reducer's health options, checked (see ext/health_checks.h)."""
     if not isinstance(check_finite, bool):
         raise FusedReducerError(f"FusedReducer: check_finite must be True or False, got "
                                 f"{check_finite!r}")

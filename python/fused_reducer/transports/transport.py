@@ -6,6 +6,7 @@ import re
 import socket
 import uuid
 from datetime import timedelta
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,79 @@ def nccl_built():
     return bool(_C.BUILD_INFO["cuda"])
 
 
+# -- the transports, in the order backend='auto' considers them ----------------------------------
+class Backend(NamedTuple):
+    """One transport as `backend=` names it. `picks(device)`: whether backend='auto' takes it
+    for parameters on `device` (the first in TRANSPORTS that does). `refuse(device)`: for an
+    explicit choice, the error to raise, or None when it may be used. `make(group, device,
+    timeout_s, check_devices)`: (transport, None), or (None, why) when it cannot be used here
+    (then 'auto' takes the next one that picks the device; the explicit choice raises). The C++
+    side registers itself by the same name (ext/transport_registry.h); docs/DESIGN.md,
+    "Extension points", is the recipe for adding one."""
+    picks: Callable[[torch.device], bool]
+    refuse: Callable[[torch.device], Optional[Exception]]
+    make: Callable
+
+
+def _refuse_nccl(device):
+    if not nccl_built():
+        return RuntimeError(
+            "backend='nccl' needs a CUDA build of fused_reducer, but this one was built "
+            "without CUDA (fused_reducer.build_info()['cuda'] is False); rebuild with a CUDA "
+            "toolkit and a CUDA build of torch, or use backend='process_group'")
+    if device.type != "cuda":
+        return ValueError(
+            f"backend='nccl' needs parameters on a CUDA device, but they are on {device}; "
+            "move the model to CUDA first, or use backend='process_group'")
+    return None
+
+
+def _refuse_shm(device):
+    if device.type != "cpu":
+        return ValueError(
+            f"backend='shm' sums CPU buckets through shared memory, but the parameters are on "
+            f"{device}; use backend='auto' (NCCL for CUDA) or backend='process_group'")
+    return None
+
+
+def _make_nccl(group, device, timeout_s, check_devices):
+    return nccl_transport(group, device, timeout_s, check_devices), None
+
+
+def _make_shm(group, device, timeout_s, check_devices):
+    return shm_transport(group, timeout_s)
+
+
+def _make_process_group(group, device, timeout_s, check_devices):
+    return process_group_transport(group, timeout_s), None
+
+
+TRANSPORTS = {
+    "nccl": Backend(picks=lambda device: device.type == "cuda" and nccl_built(),
+                    refuse=_refuse_nccl, make=_make_nccl),
+    "shm": Backend(picks=lambda device: device.type == "cpu", refuse=_refuse_shm, make=_make_shm),
+    "process_group": Backend(picks=lambda device: True, refuse=lambda device: None,
+                             make=_make_process_group),
+}
+BACKENDS = ("auto",) + tuple(TRANSPORTS)
+
+
+def registered_transport(name, **fields):
+    """The C++ transport registered as `name` (ext/transport_registry.h), made from `fields`
+    (group, id, create, rank, world_size, device, chunk_bytes, timeout_seconds: each transport
+    reads those it needs)."""
+    args = _C.TransportArgs()
+    for field, value in fields.items():
+        setattr(args, field, value)
+    return _C.make_registered_transport(name, args)
+
+
+def _auto_choices(device, start=None):
+    """The transports 'auto' tries for `device`, in order (from `start` on, when given)."""
+    names = [name for name, backend in TRANSPORTS.items() if backend.picks(device)]
+    return names[names.index(start):] if start in names else names
+
+
 def resolve_backend(backend, device):
     """The transport to try: 'auto' -> 'nccl' for CUDA parameters in a CUDA build, 'shm' for CPU
     parameters (make_transport falls back to 'process_group' when the ranks do not share a
@@ -67,23 +141,10 @@ def resolve_backend(backend, device):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if device.type == "cuda" and nccl_built():
-            return "nccl"
-        return "shm" if device.type == "cpu" else "process_group"
-    if backend == "nccl":
-        if not nccl_built():
-            raise RuntimeError(
-                "backend='nccl' needs a CUDA build of fused_reducer, but this one was built "
-                "without CUDA (fused_reducer.build_info()['cuda'] is False); rebuild with a CUDA "
-                "toolkit and a CUDA build of torch, or use backend='process_group'")
-        if device.type != "cuda":
-            raise ValueError(
-                f"backend='nccl' needs parameters on a CUDA device, but they are on {device}; "
-                "move the model to CUDA first, or use backend='process_group'")
-    if backend == "shm" and device.type != "cpu":
-        raise ValueError(
-            f"backend='shm' sums CPU buckets through shared memory, but the parameters are on "
-            f"{device}; use backend='auto' (NCCL for CUDA) or backend='process_group'")
+        return _auto_choices(device)[0]
+    refused = TRANSPORTS[backend].refuse(device)
+    if refused is not None:
+        raise refused
     return backend
 
 
@@ -101,16 +162,21 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     device = torch.device(device)
     requested = backend
     backend = resolve_backend(backend, device)
-    if backend == "shm":
-        transport, why_not = shm_transport(group, timeout_s)
+    # An explicit choice is tried alone; 'auto' goes down its list (every rank alike: a make
+    # returns the same kind of answer on every rank).
+    for name in ([backend] if requested != "auto" else _auto_choices(device, backend)):
+        transport, why_not = TRANSPORTS[name].make(group, device, timeout_s, check_devices)
         if transport is not None:
             return transport
-        if requested == "shm":
-            raise RuntimeError(f"FusedReducer: backend='shm' cannot be used: {why_not}; use "
+        if requested == name:
+            raise RuntimeError(f"FusedReducer: backend='{name}' cannot be used: {why_not}; use "
                                "backend='process_group' (or 'auto', which falls back to it)")
-        backend = "process_group"
-    if backend == "process_group":
-        return process_group_transport(group, timeout_s)
+    raise AssertionError("unreachable: the process group picks every device")
+
+
+def nccl_transport(group, device, timeout_s, check_devices=True):
+    """The NCCL transport on `device`: rank 0's unique id broadcast over `group`, every rank
+    joining (raises after `timeout_s` if one never does)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if check_devices:
@@ -120,14 +186,15 @@ def make_transport(group, device, backend="auto", timeout_s=600.0, check_devices
     staging = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
                                device=staging)
-    return _C.NcclTransport(box[0], rank, world, device.index, timeout_s)
+    return registered_transport("nccl", id=box[0], rank=rank, world_size=world,
+                                device=device.index, timeout_seconds=timeout_s)
 
 
 def process_group_transport(group, timeout_s):
     """A transport over `group` itself. Collective (over the store): the ranks of this host tell
     each other their pids, so that an error names a peer whose process has exited (gloo names
     only its address; Note [Naming a dead peer over a process group])."""
-    transport = _C.ProcessGroupTransport(group)
+    transport = registered_transport("process_group", group=group)
     if dist.get_world_size(group) > 1:
         rank, host = dist.get_rank(group), process_host()
         peers = [text.rsplit("\t", 1)
@@ -176,7 +243,9 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
             if chunk is None:
                 raise RuntimeError(why_not)
             name = f"/{shm_name_prefix()}{uuid.uuid4().hex[:12]}"
-            transport = _C.ShmTransport(name, True, 0, world, chunk, timeout_s)
+            transport = registered_transport("shm", id=name, create=True, rank=0,
+                                             world_size=world, chunk_bytes=chunk,
+                                             timeout_seconds=timeout_s)
             created = f"{name}\t{chunk}"
         except Exception as e:  # noqa: BLE001 - every rank must get an answer
             created = f"!rank 0: {e}"
@@ -189,7 +258,8 @@ def shm_transport(group, timeout_s, chunk_bytes=SHM_CHUNK_BYTES):
         if rank != 0:
             try:
                 name, chunk = _parse_created(created)
-                transport = _C.ShmTransport(name, False, rank, world, chunk, timeout_s)
+                transport = registered_transport("shm", id=name, rank=rank, world_size=world,
+                                                 chunk_bytes=chunk, timeout_seconds=timeout_s)
             except Exception as e:  # noqa: BLE001 - every rank must get an answer
                 transport, outcome = None, f"rank {rank}: {e}"
         outcomes = exchange(group, "shm-attach", outcome, timeout_s)

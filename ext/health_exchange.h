@@ -1,10 +1,11 @@
-// Training health as the gradient route sees it: one object the route calls at the begin of
-// a step (its first gradient hook), at each bucket's launch and completion, at the end of
-// backward, and around the forward's collectives. It composes TrainingHealth (the per-rank
-// state and the rows of the exchange, training_health.h) with what only the route can
-// measure: non-finite counts and norms from the copies (Note [Statistics from the copy]),
-// the slack on the host clock or on the device's timing events (Note [Lateness from slack
-// on the GPU]), and the exchange itself (Note [Health exchange]).
+// The health exchange: what the health checks (health_checks.h) need from the gradient route,
+// measured while a step runs, and the exchange at its end. The route calls it at the begin of a
+// step (its first gradient hook), at each bucket's launch and completion, at the end of
+// backward, and around the forward's collectives. It measures what only the route can:
+// non-finite counts and norms from the copies (Note [Statistics from the copy]), the slack on
+// the host clock or on the device's timing events (Note [Lateness from slack on the GPU]); at
+// the end of a step it all-reduces the checks' rows over the buckets' transport and hands the
+// sums back to HealthChecks (Note [Health exchange]).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,19 +20,19 @@
 #include <vector>
 
 #include "bucket_copy.h"
+#include "health_checks.h"
 #include "step_telemetry.h"
-#include "training_health.h"
 
 namespace fused_reducer {
 
-class StepHealth {
+class HealthExchange {
  public:
   // All-reduces a float64 row (sum) over the buckets' transport and returns it on the host;
   // `what` names the exchange in its error.
   using AllReduce = std::function<at::Tensor(const at::Tensor& row, const char* what)>;
 
   // `params` (non-empty) and `names`: the reducer's parameters (handles) and their names.
-  StepHealth(HealthOptions options, int rank, int world_size, std::vector<at::Tensor> params,
+  HealthExchange(HealthOptions options, int rank, int world_size, std::vector<at::Tensor> params,
              std::vector<std::string> names, AllReduce allreduce);
 
   // The step's first gradient hook: its statistics start here.
@@ -84,7 +85,7 @@ class StepHealth {
 
   const std::vector<at::Tensor> params_;
   const std::vector<std::string> names_;
-  TrainingHealth health_;
+  HealthChecks health_;
   AllReduce allreduce_;
   std::function<void(const std::string&)> nonfinite_handler_;
 

@@ -1,4 +1,4 @@
-#include "training_health.h"
+#include "health_checks.h"
 
 #include <c10/util/Exception.h>
 
@@ -54,7 +54,7 @@ std::string milliseconds(double ms) {
 
 }  // namespace
 
-TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
+HealthChecks::HealthChecks(HealthOptions options, int rank, int world_size)
     : options_(options), rank_(rank), world_size_(world_size), warned_(world_size, 0) {
   TORCH_CHECK(options_.straggler_interval >= 0,
               "FusedReducer: straggler_interval must be >= 0 steps (0: off), got ",
@@ -75,7 +75,7 @@ TrainingHealth::TrainingHealth(HealthOptions options, int rank, int world_size)
   report_.window = options_.straggler_window;
 }
 
-bool TrainingHealth::end_step(const std::vector<double>& slack_ms, double step_ms) {
+bool HealthChecks::end_step(const std::vector<double>& slack_ms, double step_ms) {
   slack_ms_.insert(slack_ms_.end(), slack_ms.begin(), slack_ms.end());
   step_ms_.push_back(step_ms);
   while (static_cast<int64_t>(slack_ms_.size()) > options_.straggler_window) {
@@ -87,34 +87,34 @@ bool TrainingHealth::end_step(const std::vector<double>& slack_ms, double step_m
   return shadow_step();
 }
 
-bool TrainingHealth::next_step_exchanges() const {
+bool HealthChecks::next_step_exchanges() const {
   const int64_t next = steps_ + 1;
   const bool stragglers_due =
       options_.straggler_interval > 0 && next % options_.straggler_interval == 0;
   return options_.check_finite || stragglers_due;
 }
 
-bool TrainingHealth::shadow_step() {
+bool HealthChecks::shadow_step() {
   const bool due = next_step_exchanges();
   steps_ += 1;
   return due;
 }
 
-at::Tensor TrainingHealth::row(int64_t nonfinite, bool joined) const {
+at::Tensor HealthChecks::row(int64_t nonfinite, bool joined) const {
   at::Tensor row = at::zeros({kRow * static_cast<int64_t>(world_size_)}, at::kDouble);
   double* entries = row.mutable_data_ptr<double>() + kRow * rank_;
-  entries[0] = static_cast<double>(nonfinite);
-  entries[1] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});
-  entries[2] = joined ? kNaN : median({step_ms_.begin(), step_ms_.end()});
-  entries[3] = joined ? kNaN : interquartile_range({slack_ms_.begin(), slack_ms_.end()});
+  entries[kNonfinite] = static_cast<double>(nonfinite);
+  entries[kSlackMs] = joined ? kNaN : median({slack_ms_.begin(), slack_ms_.end()});
+  entries[kStepMs] = joined ? kNaN : median({step_ms_.begin(), step_ms_.end()});
+  entries[kSlackIqrMs] = joined ? kNaN : interquartile_range({slack_ms_.begin(), slack_ms_.end()});
   return row;
 }
 
-int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
+int64_t HealthChecks::total_nonfinite(const at::Tensor& summed_rows) {
   const double* rows = summed_rows.const_data_ptr<double>();
   double total = 0;
   for (int64_t r = 0; r < summed_rows.numel() / kRow; ++r) {
-    total += rows[kRow * r];
+    total += rows[kRow * r + kNonfinite];
   }
   return static_cast<int64_t>(total);
 }
@@ -132,7 +132,7 @@ int64_t TrainingHealth::total_nonfinite(const at::Tensor& summed_rows) {
 // a step's slack is its wait there plus its last bucket's (Reducer::begin_forward_sync). Each
 // rank reports the median of its last `straggler_window` slacks, so one slow step does not
 // name a rank. See Note [A straggler is late relative to the step] for who is named and warned.
-void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
+void HealthChecks::update_stragglers(const at::Tensor& summed_rows) {
   const int64_t step = steps_;  // counted alike on joined ranks: the report is the same on all
   const double* rows = summed_rows.const_data_ptr<double>();
   double earliest = -std::numeric_limits<double>::infinity();
@@ -140,9 +140,9 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
   std::vector<double> scatters;
   for (int r = 0; r < world_size_; ++r) {
     const double* entries = rows + kRow * r;
-    if (!std::isnan(entries[1])) earliest = std::max(earliest, entries[1]);
-    steps.push_back(entries[2]);
-    scatters.push_back(entries[3]);
+    if (!std::isnan(entries[kSlackMs])) earliest = std::max(earliest, entries[kSlackMs]);
+    steps.push_back(entries[kStepMs]);
+    scatters.push_back(entries[kSlackIqrMs]);
   }
   report_.median_step_ms = median(steps);
   report_.jitter_ms = median(scatters);
@@ -157,7 +157,7 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
   double slowest = -1;
   std::ostringstream warning;
   for (int r = 0; r < world_size_; ++r) {
-    const double slack = rows[kRow * r + 1];
+    const double slack = rows[kRow * r + kSlackMs];
     const double lateness = std::isnan(slack) ? kNaN : earliest - slack;
     report_.lateness_ms[r] = lateness;
     report_.slack_ms[r] = slack;
@@ -223,19 +223,19 @@ void TrainingHealth::update_stragglers(const at::Tensor& summed_rows) {
 // 30 runs: named by step 20 in 29 (the other one was only 9-11 % late), warned at step 20 in
 // 24. That is the price of the quiet: on a noisy host (load 4.5 in bursts, 15 ms steps) it was
 // warned at step 20 in 3 of 20 runs (the rule of before: 8).
-double TrainingHealth::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
+double HealthChecks::automatic_threshold_ms(double median_step_ms, double jitter_ms) {
   const double of_step = std::isnan(median_step_ms) ? 0.0 : kLateFractionOfStep * median_step_ms;
   const double of_jitter = std::isnan(jitter_ms) ? 0.0 : kJitterFactor * jitter_ms;
   return std::max({of_step, of_jitter, kSchedulerNoiseMs});
 }
 
-std::string TrainingHealth::take_warning() {
+std::string HealthChecks::take_warning() {
   std::string warning;
   warning.swap(warning_);
   return warning;
 }
 
-at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
+at::Tensor HealthChecks::detail_row(const std::vector<int64_t>& counts,
                                       const std::vector<int64_t>& order) const {
   at::Tensor row = at::zeros({kDetail * world_size_}, at::kDouble);
   double* entries = row.mutable_data_ptr<double>() + kDetail * rank_;
@@ -256,7 +256,7 @@ at::Tensor TrainingHealth::detail_row(const std::vector<int64_t>& counts,
   return row;
 }
 
-std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
+std::string HealthChecks::nonfinite_message(const at::Tensor& summed_rows,
                                               const at::Tensor& summed_detail,
                                               const std::vector<std::string>& names,
                                               int64_t step, bool sharded) const {
@@ -267,7 +267,7 @@ std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
       << " (check_finite=True), in the local gradients of ";
   bool first_rank = true;
   for (int r = 0; r < world_size_; ++r) {
-    const auto count = static_cast<int64_t>(rows[kRow * r]);
+    const auto count = static_cast<int64_t>(rows[kRow * r + kNonfinite]);
     if (count == 0) continue;
     const double* entries = detail + kDetail * r;
     const auto params = static_cast<int64_t>(entries[0]);
@@ -292,7 +292,7 @@ std::string TrainingHealth::nonfinite_message(const at::Tensor& summed_rows,
   return out.str();
 }
 
-std::string TrainingHealth::averaged_nonfinite_message(
+std::string HealthChecks::averaged_nonfinite_message(
     const std::vector<std::pair<std::string, int64_t>>& found, int64_t step,
     const std::string& reduction) const {
   std::ostringstream out;

@@ -1,4 +1,4 @@
-#include "step_health.h"
+#include "health_exchange.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -10,7 +10,7 @@
 
 namespace fused_reducer {
 
-StepHealth::StepHealth(HealthOptions options, int rank, int world_size,
+HealthExchange::HealthExchange(HealthOptions options, int rank, int world_size,
                        std::vector<at::Tensor> params, std::vector<std::string> names,
                        AllReduce allreduce)
     : params_(std::move(params)),
@@ -26,7 +26,7 @@ StepHealth::StepHealth(HealthOptions options, int rank, int world_size,
   observed_.assign(params_.size(), 0);
 }
 
-void StepHealth::begin_step() {
+void HealthExchange::begin_step() {
   // This step's statistics start here (Note [Statistics from the copy]).
   if (nonfinite_.defined()) nonfinite_.zero_();
   norms_.zero_();
@@ -35,29 +35,29 @@ void StepHealth::begin_step() {
   host_slack_seen_ = false;
 }
 
-CopyStats StepHealth::pack_stats() const {
+CopyStats HealthExchange::pack_stats() const {
   CopyStats stats;
   stats.nonfinite = nonfinite_;  // undefined without check_finite
   return stats;
 }
 
-CopyStats StepHealth::unpack_stats() const {
+CopyStats HealthExchange::unpack_stats() const {
   CopyStats stats;
   stats.norms = norms_;
   return stats;
 }
 
-void StepHealth::observe_without_copy(const CopyJob& job) const {
+void HealthExchange::observe_without_copy(const CopyJob& job) const {
   if (nonfinite_.defined()) {
     observe_with_aten(job, pack_stats());  // no copy to ride on
   }
 }
 
-void StepHealth::launched() {
+void HealthExchange::launched() {
   record_slack_event(/*complete=*/false);
 }
 
-void StepHealth::completed(const BucketTiming& timing) {
+void HealthExchange::completed(const BucketTiming& timing) {
   record_slack_event(/*complete=*/true);
   if (!std::isnan(timing.ready_last_us)) {
     host_slack_seen_ = true;  // the last such bucket of the step is the one take_slack_samples reads
@@ -66,7 +66,7 @@ void StepHealth::completed(const BucketTiming& timing) {
   }
 }
 
-void StepHealth::end_step(const StepEnd& end, StepTelemetry& telemetry) {
+void HealthExchange::end_step(const StepEnd& end, StepTelemetry& telemetry) {
   snapshot_gradients(end.sharded);
   const bool exchanging = health_.next_step_exchanges();
   const bool due = health_.end_step(take_slack_samples(exchanging),
@@ -81,14 +81,14 @@ void StepHealth::end_step(const StepEnd& end, StepTelemetry& telemetry) {
   }
 }
 
-void StepHealth::shadow_step(const StepEnd& end) {
+void HealthExchange::shadow_step(const StepEnd& end) {
   if (health_.shadow_step()) {
     exchange(/*joined=*/true, end, nullptr);
   }
 }
 
 // What copy_norms() compares param.grad with: the tensors this step left there.
-void StepHealth::snapshot_gradients(bool sharded) {
+void HealthExchange::snapshot_gradients(bool sharded) {
   norms_valid_ = !sharded;
   grad_snapshot_.assign(params_.size(), {nullptr, 0});
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -112,7 +112,7 @@ void StepHealth::snapshot_gradients(bool sharded) {
 // but a change to the whole gradient (a scale, new values) shows in them; one to a few
 // elements may not. No pass over the gradients: one small gather per step, once the model's
 // norm has been asked for.
-at::Tensor StepHealth::gradient_probes() const {
+at::Tensor HealthExchange::gradient_probes() const {
   std::vector<at::Tensor> probes;
   for (const at::Tensor& param : params_) {
     const at::Tensor& grad = param.grad();
@@ -125,7 +125,7 @@ at::Tensor StepHealth::gradient_probes() const {
   return probes.empty() ? at::Tensor() : at::cat(probes);
 }
 
-std::optional<at::Tensor> StepHealth::copy_norms() const {
+std::optional<at::Tensor> HealthExchange::copy_norms() const {
   probes_wanted_ = true;  // from the next backward on; this one kept none: torch's norm
   if (!norms_valid_ || !grad_probes_taken_) {
     return std::nullopt;
@@ -150,7 +150,7 @@ std::optional<at::Tensor> StepHealth::copy_norms() const {
 // collective being seen complete. On CPU both are host clock readings of this step. On a
 // GPU the host runs ahead of the device, so its clock says when work was queued, not done:
 // Note [Lateness from slack on the GPU]. `exchanging`: this step exchanges the health row.
-std::vector<double> StepHealth::take_slack_samples(bool exchanging) {
+std::vector<double> HealthExchange::take_slack_samples(bool exchanging) {
   if (params_.front().is_cpu()) {
     const double forward_ms = std::exchange(forward_sync_ms_, 0.0);
     if (host_slack_seen_) {  // the last reduced bucket whose gradients were ready here
@@ -190,7 +190,7 @@ std::vector<double> StepHealth::take_slack_samples(bool exchanging) {
   return samples;
 }
 
-bool StepHealth::slack_on_device() const {
+bool HealthExchange::slack_on_device() const {
   return !params_.front().is_cpu() && health_.options().straggler_interval > 0;
 }
 
@@ -201,7 +201,7 @@ bool StepHealth::slack_on_device() const {
 // it), summed over the step's forwards (no_sync micro-steps too): the host clock on CPU (the
 // collectives block), a pair of timing events on the compute stream on a GPU (in the step's
 // slot, Note [Lateness from slack on the GPU]).
-void StepHealth::begin_forward_sync() {
+void HealthExchange::begin_forward_sync() {
   forward_sync_open_ = true;
   if (!slack_on_device()) {
     forward_sync_begin_us_ = now_us();
@@ -212,7 +212,7 @@ void StepHealth::begin_forward_sync() {
   record_stream_event(events.forward[events.forward_recorded].first);
 }
 
-void StepHealth::end_forward_sync() {
+void HealthExchange::end_forward_sync() {
   if (!std::exchange(forward_sync_open_, false)) {
     return;  // no begin (or the collective between raised): nothing to close
   }
@@ -225,7 +225,7 @@ void StepHealth::end_forward_sync() {
   events.forward_recorded += 1;
 }
 
-void StepHealth::record_stream_event(std::optional<c10::Event>& event) const {
+void HealthExchange::record_stream_event(std::optional<c10::Event>& event) const {
   const at::Tensor& first = params_.front();
   if (!event) {
     event.emplace(first.device().type(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
@@ -237,7 +237,7 @@ void StepHealth::record_stream_event(std::optional<c10::Event>& event) const {
 // Records this step's ready (after a bucket's launch) or complete (after a bucket's wait)
 // event on the current stream; the last of each in a step is what take_slack_samples
 // reads. GPU only, and only when the straggler exchange is on.
-void StepHealth::record_slack_event(bool complete) {
+void HealthExchange::record_slack_event(bool complete) {
   if (!slack_on_device()) {
     return;
   }
@@ -248,12 +248,12 @@ void StepHealth::record_slack_event(bool complete) {
 
 // Note [Health exchange]
 // After the gradients are written, every rank all-reduces one small float64 row per rank
-// (training_health.h: its non-finite count, median slack and step time, zeros in the
+// (health_checks.h: its non-finite count, median slack and step time, zeros in the
 // others' entries) over the buckets' transport: every step with check_finite, every
 // straggler_interval steps otherwise (every rank counts the same steps, joined ranks
 // included, so all issue the same collectives). Only when a count is non-zero, a second
 // row names the parameters. Returns the check_finite error, the same text on every rank.
-std::string StepHealth::exchange(bool joined, const StepEnd& end, StepTelemetry* telemetry) {
+std::string HealthExchange::exchange(bool joined, const StepEnd& end, StepTelemetry* telemetry) {
   int64_t nonfinite = 0;
   std::vector<int64_t> counts;
   if (nonfinite_.defined() && !joined) {
@@ -268,7 +268,7 @@ std::string StepHealth::exchange(bool joined, const StepEnd& end, StepTelemetry*
       telemetry->set_last_lateness(health_.report().lateness_ms);
     }
   }
-  if (TrainingHealth::total_nonfinite(rows) == 0) {
+  if (HealthChecks::total_nonfinite(rows) == 0) {
     return joined ? "" : averaged_nonfinite_message(end);
   }
   if (counts.empty()) counts.assign(params_.size(), 0);
@@ -286,7 +286,7 @@ std::string StepHealth::exchange(bool joined, const StepEnd& end, StepTelemetry*
 // observes the same ones), and then confirmed on param.grad. The averages are the same on
 // every rank, so every rank comes to the same verdict without an exchange. Not seen: gradient_as_bucket_view (no copy
 // out of the bucket) and a ShardedOptimizer's shards (documented).
-std::string StepHealth::averaged_nonfinite_message(const StepEnd& end) const {
+std::string HealthExchange::averaged_nonfinite_message(const StepEnd& end) const {
   if (!nonfinite_.defined() || std::isfinite(norms_.cpu().const_data_ptr<double>()[1])) {
     return "";
   }

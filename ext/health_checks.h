@@ -1,4 +1,4 @@
-// Training health: what the reducer learns about every rank for almost nothing,
+// The health checks: what the reducer learns about every rank for almost nothing,
 // because every gradient passes through it and every rank meets in its collectives.
 //
 //   check_finite   each rank counts NaN/Inf in its local gradients during the copy
@@ -8,8 +8,11 @@
 //   stragglers     each rank measures how long its last bucket waited for the others
 //                  (its slack); the rank whose buckets were ready last waits least.
 //
-// The reducer runs the exchanges (Note [Health exchange]); this class holds the
-// per-rank state, builds the rows each rank contributes and reads the sums.
+// HealthChecks holds the checks' options and per-rank state, builds the row each rank
+// contributes and reads the verdicts from the sums (the check_finite error, the straggler
+// report): arithmetic on the host, no collective. HealthExchange (health_exchange.h) measures
+// on the route and runs the exchange (Note [Health exchange]). Adding a check: docs/DESIGN.md,
+// "Extension points".
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,6 +38,18 @@ struct HealthOptions {
   int64_t straggler_warn_steps = 20;    // one warning when a rank stays late this many steps
 };
 
+// Every field of HealthOptions, once, by the name Python sets it by (ReducerOptions.health.<name>,
+// filled from FusedReducer's keyword arguments by core/validation.py's _health_settings):
+// bindings.cpp binds what this lists, so a new option is a field above and a line here.
+template <class Visit>
+void for_each_health_option(Visit&& visit) {
+  visit("check_finite", &HealthOptions::check_finite);
+  visit("straggler_interval", &HealthOptions::straggler_interval);
+  visit("straggler_window", &HealthOptions::straggler_window);
+  visit("straggler_threshold_ms", &HealthOptions::straggler_threshold_ms);
+  visit("straggler_warn_steps", &HealthOptions::straggler_warn_steps);
+}
+
 struct StragglerReport {
   int64_t step = 0;                  // the synchronised step of the last exchange (0: none yet)
   std::vector<double> lateness_ms;   // per rank; NaN: no measurement (joined, or none yet)
@@ -49,9 +64,9 @@ struct StragglerReport {
   int64_t window = 0;
 };
 
-class TrainingHealth {
+class HealthChecks {
  public:
-  TrainingHealth(HealthOptions options, int rank, int world_size);
+  HealthChecks(HealthOptions options, int rank, int world_size);
 
   const HealthOptions& options() const { return options_; }
 
@@ -67,9 +82,15 @@ class TrainingHealth {
   bool shadow_step();
 
   // This rank's contribution to the exchange: float64 [kRow * world], zeros except its
-  // own entries [nonfinite count, median slack ms, median step ms, interquartile range of the
-  // slacks ms] (NaN: none).
-  static constexpr int64_t kRow = 4;
+  // own kRow entries, one column per number a check exchanges (NaN: none). A new check adds
+  // its columns before kRow.
+  enum Column : int64_t {
+    kNonfinite,   // check_finite: NaN/Inf elements in this rank's local gradients
+    kSlackMs,     // stragglers: median slack over the window
+    kStepMs,      // stragglers: median step (forward + backward)
+    kSlackIqrMs,  // stragglers: interquartile range of the slacks
+    kRow          // the number of columns
+  };
   at::Tensor row(int64_t nonfinite, bool joined) const;
   static int64_t total_nonfinite(const at::Tensor& summed_rows);
   // Reads the summed rows: lateness, stragglers, the warning to log.
@@ -93,7 +114,7 @@ class TrainingHealth {
                                 bool sharded) const;
 
   // The error when every rank's local gradients were finite but their average is not
-  // (Note [Averages that overflow] in step_health.cpp): `found` (parameter name, non-finite
+  // (Note [Averages that overflow] in health_exchange.cpp): `found` (parameter name, non-finite
   // elements of its average), `reduction` says what reduced them.
   std::string averaged_nonfinite_message(const std::vector<std::pair<std::string, int64_t>>& found,
                                          int64_t step, const std::string& reduction) const;
