@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fused_reducer import FusedReducer, FusedReducerError
 from dist_utils import SelectedChecks, per_rank
-from test_dropin_common import roundtrip
+from ddp_comparison import roundtrip
 
 WORLD = 4
 STEPS = 3
