@@ -1,4 +1,4 @@
-"""Coverage of the public API (issue 13, item 3): every row of docs/API.md's API table, every row
+"""Coverage of the public API: every row of docs/API.md's API table, every row
 of its "How it differs from DDP" table and every "same as DDP" / "Identical" / "Differs" promise
 has tests that fail when the behaviour changes.
 

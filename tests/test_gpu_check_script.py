@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh, checked statically (no GPU, no build, no spawned ranks; issue 21 item 6):
+"""bench/gpu_check.sh, checked statically (no GPU, no build, no spawned ranks):
 it must fit one short GPU lease (stage limits <= 420 s in all), fail on a CPU-only build and on
 any skipped GPU test, and write exactly one archive plus one summary file."""
 import os
