@@ -23,7 +23,8 @@
 # own code; no torch API is called from this script itself.
 #
 # World size 1 for NCCL (one GPU: NCCL refuses two ranks on one GPU); two ranks on the one GPU run
-# over gloo with CUDA tensors (tests/test_gpu_ordering.py, tests/test_dropin.py's SyncBatchNorm).
+# over gloo with CUDA tensors (tests/test_gpu_ordering.py, tests/test_module_surface_like_ddp.py's
+# SyncBatchNorm).
 # Multi-GPU numbers: `python -m torch.distributed.run --nproc-per-node 8 bench/allreduce_bw.py`
 # and `... bench/step_bench.py` on your node.
 set -uo pipefail
@@ -194,7 +195,7 @@ GPU_TESTS=(
   tests/test_gpu_ordering.py
   tests/test_backend.py
   tests/test_reduce_dtype.py::test_cast_copy_cuda_one_launch
-  tests/test_dropin.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda
+  tests/test_module_surface_like_ddp.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda
 )
 stage gpu_tests 140 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rs \
   --junitxml "$WORK/gpu_tests.xml" "${GPU_TESTS[@]}" || failed=1

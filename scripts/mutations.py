@@ -35,7 +35,7 @@ REBUILDS = "tests/test_bucket_rebuilds.py::"
 ROUTE = "tests/test_gradient_route.py::"
 UNUSED = "tests/test_unused_parameters.py::"
 EQ = "tests/test_equivalence_ddp.py::"
-BEH = "tests/test_dropin_behaviours.py::"
+BEH = "tests/test_implicit_ddp_behaviours.py::"
 SHM = "tests/test_shm_transport.py::"
 
 MUTATIONS = [
@@ -207,7 +207,7 @@ MUTATIONS = [
         edits=[("  if (comm_hook_) {\n    return 1.0;\n  }", "  if (false) {\n    return 1.0;\n  }")],
         why="gradient_scale() forgets that a DDP comm hook averages itself: gradients are "
             "divided by world_size twice",
-        tests=["tests/test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
+        tests=["tests/test_ddp_comm_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
     ),
     dict(
         id="average-after-the-sum",
@@ -381,7 +381,7 @@ MUTATIONS = [
                 "        elif True:")],
         why="join(divide_by_initial_world_size=False) still divides by the initial world size: "
             "after a rank joined, the others' gradients are too small",
-        tests=["tests/test_dropin_join.py::test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp"],
+        tests=["tests/test_join_uneven_inputs.py::test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp"],
     ),
     dict(
         id="env-overrides-set-default",
@@ -405,7 +405,7 @@ MUTATIONS = [
             "find_unused_parameters: the training ranks' map reduction pairs with the joined "
             "rank's next collective",
         tests=[JOIN + "test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
-               "tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
+               "tests/test_join_uneven_inputs.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
     ),
     dict(
         id="join-used-map-zeros",
@@ -414,7 +414,7 @@ MUTATIONS = [
         why="a joined rank all-reduces zeros as its used-parameter map, where DDP's joined rank "
             "all-reduces its last one: a parameter the joined rank used last counts as unused "
             "for the others, gets no gradient, and momentum makes the parameters leave DDP's",
-        tests=["tests/test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
+        tests=["tests/test_join_uneven_inputs.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp"],
     ),
     dict(
         id="reduce-dtype-not-from-rank0",
@@ -444,7 +444,7 @@ MUTATIONS = [
                 "            pass")],
         why="a hook's future holding a new tensor (fp16/bf16 compression, PowerSGD) is not "
             "copied back into the bucket: param.grad gets the unreduced local gradient",
-        tests=["tests/test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
+        tests=["tests/test_ddp_comm_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets"],
     ),
     dict(
         id="duplicate-gpu-by-index",

@@ -7,7 +7,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from dist_utils import ALLREDUCE_EVENTS, SHAPED_ALLREDUCE_EVENTS
-from test_dropin_common import ddp, loss_of
+from ddp_comparison import ddp, loss_of
 
 
 def fused(module, **kwargs):
@@ -57,7 +57,7 @@ class SwappedBranches(nn.Module):
 
 def wrap(kind, module, **kwargs):
     """DDP, or FusedReducer with DDP's 1 MiB first bucket (always FusedReducer: these checks use
-    its own API, so DROPIN_FR_IS_DDP, which checks the drop-in files, does not apply)."""
+    its own API, so DROPIN_FR_IS_DDP, which checks the side-by-side files, does not apply)."""
     if kind == "ddp":
         return ddp(module, **kwargs)
     from fused_reducer import FusedReducer

@@ -257,7 +257,7 @@ def main():
     torch.distributed.destroy_process_group()
     if args.wrapper == "ddp":
         # The DDP reference's exit is not under test, and upstream it can abort: a gloo work of
-        # DDP's last backward released on gloo's thread while Python shuts down (issue 29, Note
+        # DDP's last backward released on gloo's thread while Python shuts down (Note
         # [Releasing process-group work]; FusedReducer's own exits are, in tests/test_lifecycle.py).
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""3-D parallel training (issue 40, point 4): tensor x pipeline x data parallel on a 2 x 2 x 2
+"""3-D parallel training: tensor x pipeline x data parallel on a 2 x 2 x 2
 DeviceMesh ("pp", "dp", "tp") of 8 gloo ranks. Each pipeline stage is a small transformer block
 (LayerNorm, causal self-attention with q/k/v ColwiseParallel and the output projection
 RowwiseParallel, LayerNorm, MLP ColwiseParallel + RowwiseParallel), wrapped with

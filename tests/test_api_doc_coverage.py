@@ -1,4 +1,4 @@
-"""Coverage of the public API (issue 13, item 3): every row of docs/API.md's API table, every row
+"""Coverage of the public API: every row of docs/API.md's API table, every row
 of its "How it differs from DDP" table and every "same as DDP" / "Identical" / "Differs" promise
 has tests that fail when the behaviour changes.
 
@@ -87,26 +87,26 @@ COVERAGE = {
     "`no_sync()`": [
         "test_equivalence_ddp.py::test_no_sync_accumulation_then_synced_step_matches_ddp_no_sync",
         "test_equivalence_ddp.py::test_no_sync_with_gradient_as_bucket_view_matches_ddp",
-        "test_dropin_behaviours.py::test_no_sync_applies_to_the_forward_it_wraps_like_ddp",
+        "test_implicit_ddp_behaviours.py::test_no_sync_applies_to_the_forward_it_wraps_like_ddp",
         "test_no_sync.py::test_exception_inside_no_sync_leaves_sync_on",
     ],
     "`join(divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False)`": [
-        "test_dropin_join.py::test_fused_reducer_is_a_joinable_with_hook_group_and_device",
-        "test_dropin_join.py::test_join_uneven_inputs_dividing_by_initial_world_size_matches_ddp",
-        "test_dropin_join.py::test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp",
-        "test_dropin_join.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp",
-        "test_dropin_join.py::test_join_uneven_inputs_with_batchnorm_buffers_matches_ddp",
-        "test_dropin_join.py::test_join_composes_with_zero_redundancy_optimizer_like_ddp",
-        "test_dropin_join.py::test_join_disabled_with_even_inputs_trains_like_ddp",
-        "test_dropin_join.py::test_join_throw_on_early_termination_raises_runtime_error_on_every_rank",
+        "test_join_uneven_inputs.py::test_fused_reducer_is_a_joinable_with_hook_group_and_device",
+        "test_join_uneven_inputs.py::test_join_uneven_inputs_dividing_by_initial_world_size_matches_ddp",
+        "test_join_uneven_inputs.py::test_join_uneven_inputs_dividing_by_current_world_size_matches_ddp",
+        "test_join_uneven_inputs.py::test_join_uneven_inputs_with_find_unused_parameters_matches_ddp",
+        "test_join_uneven_inputs.py::test_join_uneven_inputs_with_batchnorm_buffers_matches_ddp",
+        "test_join_uneven_inputs.py::test_join_composes_with_zero_redundancy_optimizer_like_ddp",
+        "test_join_uneven_inputs.py::test_join_disabled_with_even_inputs_trains_like_ddp",
+        "test_join_uneven_inputs.py::test_join_throw_on_early_termination_raises_runtime_error_on_every_rank",
         "test_join_hook.py::test_a_joined_rank_shadows_each_bucket_then_the_unused_map",
     ],
     "`register_comm_hook(state, hook)`": [
-        "test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
-        "test_dropin_hooks.py::test_two_bucket_model_has_ddps_two_buckets_with_the_same_parameters",
-        "test_dropin_hooks.py::test_hook_sees_a_gradbucket_with_ddps_interface",
-        "test_dropin_hooks.py::test_registering_a_comm_hook_twice_raises_runtime_error",
-        "test_dropin_hooks.py::test_hook_returning_tensor_instead_of_future_raises_on_every_rank",
+        "test_ddp_comm_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
+        "test_ddp_comm_hooks.py::test_two_bucket_model_has_ddps_two_buckets_with_the_same_parameters",
+        "test_ddp_comm_hooks.py::test_hook_sees_a_gradbucket_with_ddps_interface",
+        "test_ddp_comm_hooks.py::test_registering_a_comm_hook_twice_raises_runtime_error",
+        "test_ddp_comm_hooks.py::test_hook_returning_tensor_instead_of_future_raises_on_every_rank",
         "test_comm_hook_results.py::test_powersgd_hook_on_a_channels_last_model_trains_like_ddp",
     ],
     "`prepare_for_backward()`": [
@@ -272,7 +272,7 @@ COVERAGE = {
     ],
     "gradients are scaled by 1/world size in the copy, then summed, on every transport (never "
     "NCCL's `ncclAvg`)": [
-        "test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
+        "test_ddp_comm_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
         "test_equivalence_ddp.py::test_fp32_grads_match_ddp_with_default_cap",
         "test_gradient_route.py::test_gradients_are_scaled_before_they_are_summed_like_ddp",
         "test_exactness.py::test_fp32_averages_are_ddps_arithmetic_scaled_in_the_copy_then_summed",
@@ -283,8 +283,8 @@ COVERAGE = {
     "re-read every time, without bumping version counters)": [
         "test_equivalence_ddp.py::test_initial_weights_differing_by_rank_start_from_rank0_and_match_ddp",
         "test_buffers.py::test_buffer_broadcast_rules_match_ddp",
-        "test_dropin_behaviours.py::test_eval_and_no_grad_forwards_mixed_into_training_match_ddp",
-        "test_dropin_behaviours.py::test_buffer_reassigned_after_construction_is_broadcast_from_rank0_at_next_forward",
+        "test_implicit_ddp_behaviours.py::test_eval_and_no_grad_forwards_mixed_into_training_match_ddp",
+        "test_implicit_ddp_behaviours.py::test_buffer_reassigned_after_construction_is_broadcast_from_rank0_at_next_forward",
         "test_buffers.py::test_two_forwards_then_backward_with_a_buffer_saved_for_backward",
         "test_buffers.py::test_buffers_are_broadcast_at_construction_like_ddp",
         "test_buffers.py::test_broadcast_buffers_false_keeps_rank_local_buffers_at_construction_like_ddp",
@@ -298,7 +298,7 @@ COVERAGE = {
     ],
     "a backward through the wrapped module called directly stays local": [
         "test_gradient_route.py::test_backward_of_the_inner_module_stays_local",
-        "test_dropin_behaviours.py::test_backward_through_inner_module_after_training_is_local_and_does_not_raise",
+        "test_implicit_ddp_behaviours.py::test_backward_through_inner_module_after_training_is_local_and_does_not_raise",
     ],
     "a second backward of one forward (`backward(retain_graph=True)` twice, or a backward per "
     "output)": [
@@ -330,45 +330,45 @@ COVERAGE = {
         "test_ddp_arguments.py::test_device_mesh_and_accepted_arguments_give_ddps_gradients",
     ],
     "`state_dict()` keys (`module.` prefix: DDP checkpoints load into FusedReducer and back)": [
-        "test_dropin.py::test_state_dict_keys_are_exactly_ddps_with_module_prefix",
-        "test_dropin.py::test_ddp_checkpoint_loads_into_fused_reducer_and_resumes_like_ddp",
-        "test_dropin.py::test_fused_reducer_checkpoint_loads_into_ddp_and_resumes_identically",
+        "test_module_surface_like_ddp.py::test_state_dict_keys_are_exactly_ddps_with_module_prefix",
+        "test_module_surface_like_ddp.py::test_ddp_checkpoint_loads_into_fused_reducer_and_resumes_like_ddp",
+        "test_module_surface_like_ddp.py::test_fused_reducer_checkpoint_loads_into_ddp_and_resumes_identically",
     ],
     "`.module`": [
-        "test_dropin.py::test_module_and_parameters_and_buffers_are_the_users_objects",
+        "test_module_surface_like_ddp.py::test_module_and_parameters_and_buffers_are_the_users_objects",
     ],
     "`no_sync()`|identical": [
         "test_equivalence_ddp.py::test_no_sync_accumulation_then_synced_step_matches_ddp_no_sync",
-        "test_dropin_behaviours.py::test_batchnorm_running_stats_after_no_sync_window_equal_ddps",
+        "test_implicit_ddp_behaviours.py::test_batchnorm_running_stats_after_no_sync_window_equal_ddps",
     ],
     "`join()`": [
-        "test_dropin_join.py::test_join_uneven_inputs_dividing_by_initial_world_size_matches_ddp",
-        "test_dropin_join.py::test_join_composes_with_zero_redundancy_optimizer_like_ddp",
+        "test_join_uneven_inputs.py::test_join_uneven_inputs_dividing_by_initial_world_size_matches_ddp",
+        "test_join_uneven_inputs.py::test_join_composes_with_zero_redundancy_optimizer_like_ddp",
     ],
     "`register_comm_hook()` with DDP's hooks": [
-        "test_dropin_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
+        "test_ddp_comm_hooks.py::test_ddp_comm_hook_gives_ddps_parameters_with_the_same_buckets",
         "test_comm_hook_results.py::test_powersgd_hook_on_a_channels_last_model_trains_like_ddp",
     ],
     "`torch.compile` in either order": [
-        "test_dropin_compile.py::test_fused_reducer_around_compiled_model_eager_backend_trains_like_ddp",
-        "test_dropin_compile.py::test_compiled_fused_reducer_eager_backend_trains_like_compiled_ddp",
-        "test_dropin_compile.py::test_fused_reducer_around_compiled_model_inductor_trains_like_ddp",
-        "test_dropin_compile.py::test_compiled_fused_reducer_inductor_trains_like_compiled_ddp",
+        "test_torch_compile.py::test_fused_reducer_around_compiled_model_eager_backend_trains_like_ddp",
+        "test_torch_compile.py::test_compiled_fused_reducer_eager_backend_trains_like_compiled_ddp",
+        "test_torch_compile.py::test_fused_reducer_around_compiled_model_inductor_trains_like_ddp",
+        "test_torch_compile.py::test_compiled_fused_reducer_inductor_trains_like_compiled_ddp",
     ],
     "autocast and `GradScaler`": [
-        "test_dropin.py::test_autocast_bf16_training_loop_matches_ddp",
+        "test_module_surface_like_ddp.py::test_autocast_bf16_training_loop_matches_ddp",
         "test_gradient_route.py::test_grad_scaler_skips_the_same_steps_on_every_rank_like_ddp",
         "test_gpu_ordering.py::test_syncbatchnorm_and_cuda_amp_train_as_under_ddp",
     ],
     "`SyncBatchNorm`": [
-        "test_dropin.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda",
+        "test_module_surface_like_ddp.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda",
         "test_gpu_ordering.py::test_syncbatchnorm_and_cuda_amp_train_as_under_ddp",
     ],
     "gradient clipping after backward": [
-        "test_dropin.py::test_clip_grad_norm_after_backward_sees_averaged_grads_like_ddp",
+        "test_module_surface_like_ddp.py::test_clip_grad_norm_after_backward_sees_averaged_grads_like_ddp",
     ],
     "pickling (the process group and reducer are dropped and re-attached at the first forward)": [
-        "test_dropin.py::test_pickled_or_copied_model_reloads_and_trains_like_ddp",
+        "test_module_surface_like_ddp.py::test_pickled_or_copied_model_reloads_and_trains_like_ddp",
         "test_pickle_and_copy.py::test_pickled_and_deep_copied_models_train_like_ddp",
     ],
     # "Switching from DDP": Differs
@@ -382,11 +382,11 @@ COVERAGE = {
         "test_gradient_route.py::test_timeout_bounds_the_wait_for_a_stalled_peer",
     ],
     "compiled autograd is refused with a clear error (FusedReducer's C++ hooks are not traced by it)": [
-        "test_dropin_compile.py::test_compiled_autograd_gives_averaged_grads_or_raises_runtime_error_at_once",
+        "test_torch_compile.py::test_compiled_autograd_gives_averaged_grads_or_raises_runtime_error_at_once",
     ],
     "`static_graph=True` is refused (not needed for reentrant checkpointing)": [
-        "test_dropin_behaviours.py::test_static_graph_raises_clear_error_naming_static_graph_and_alternative",
-        "test_dropin_behaviours.py::test_reentrant_checkpoint_with_unused_param_matches_ddp_static_graph_without_it",
+        "test_implicit_ddp_behaviours.py::test_static_graph_raises_clear_error_naming_static_graph_and_alternative",
+        "test_implicit_ddp_behaviours.py::test_reentrant_checkpoint_with_unused_param_matches_ddp_static_graph_without_it",
     ],
     "`delay_all_reduce_named_params` / `param_to_hook_all_reduce` and `mixed_precision`'s "
     "`param_dtype` / `buffer_dtype` are refused naming what to use instead (`FusedReducerError`)": [

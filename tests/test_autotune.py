@@ -528,7 +528,7 @@ def test_last_bucket_bytes_validation(outcomes):
     assert r["ctor_last"] == MiB // 2
 
 
-# -- the step clock (issue 21 item 2): CUDA trials are timed by events, not host gaps ----------
+# -- the step clock: CUDA trials are timed by events, not host gaps -----------------------------
 # In process, no process group: a stub model and one trial of the starting configuration.
 
 class _StubReducer:

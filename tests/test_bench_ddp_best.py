@@ -1,4 +1,4 @@
-"""Issue 22 point 4: the benchmarks compare against DDP's best settings for the run, as the
+"""The benchmarks compare against DDP's best settings for the run, as the
 installed torch's DDP takes them, with DDP(model) as a second row; and the report tables say so.
 In-process and fast (the end-to-end runs are tests/test_bench.py's step_bench smoke tests)."""
 import os

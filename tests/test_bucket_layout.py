@@ -1,4 +1,4 @@
-"""The bucket layout follows DDP's rules (issue point 3), checked against an independent
+"""The bucket layout follows DDP's rules, checked against an independent
 re-statement of the rule and against gradient-ready orders observed with plain PyTorch hooks
 (Tensor.register_post_accumulate_grad_hook), not against FusedReducer's own bookkeeping:
 

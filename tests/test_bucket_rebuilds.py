@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from behaviour_common import ConvNet, MiB, collectives, fused, fused_with_its_defaults
 from dist_utils import ALLREDUCE_EVENTS, SelectedChecks, assert_small, observe_ready_order, results
 from test_bucket_layout import expected_layout
-from test_dropin_common import (build, data, grads, local_average_grads, loss_of, max_diff, params,
+from ddp_comparison import (build, data, grads, local_average_grads, loss_of, max_diff, params,
                                 sgd, step)
 
 

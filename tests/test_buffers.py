@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import fused, fused_with_its_defaults
 from dist_utils import SelectedChecks, assert_small, results
-from test_dropin_common import (BNNet, HIDDEN, Net, StatNet, build, data, loss_of, max_diff,
+from ddp_comparison import (BNNet, HIDDEN, Net, StatNet, build, data, loss_of, max_diff,
                                 outcome, params, same_on_all_ranks, sgd)
 
 

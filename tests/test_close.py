@@ -13,7 +13,7 @@ import weakref
 
 from behaviour_common import ENV, collectives, fused, fused_with_its_defaults
 from dist_utils import SelectedChecks, assert_small, results
-from test_dropin_common import (Net, build, data, grads, loss_of, max_diff, outcome,
+from ddp_comparison import (Net, build, data, grads, loss_of, max_diff, outcome,
                                 same_on_all_ranks, sgd, step)
 
 

@@ -3,7 +3,7 @@ collective a c10d process group runs passes through the dispatcher op 'c10d::all
 for a plain dist.all_reduce and for a DDP step below); FusedReducer's shared-memory transport
 records 'shm:all_reduce' (dist_utils.ALLREDUCE_EVENTS).
 
-Scenario of the issue: 8 x Linear(512, 512) (8.4 MB of fp32 gradients), 2 gloo ranks. DDP does
+Scenario: 8 x Linear(512, 512) (8.4 MB of fp32 gradients), 2 gloo ranks. DDP does
 2 all-reduces per step after its rebuild (first bucket 1 MiB); FusedReducer must do the same by
 default, and 1 per step once the first bucket is 16 MiB, however that value was set.
 """

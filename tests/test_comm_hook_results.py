@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import ConvNet, fused_with_its_defaults, wrap
 from dist_utils import SelectedChecks, assert_small, per_rank, results
-from test_dropin_common import (Net, build, data, loss_of, max_diff, outcome, params, risky_kwargs,
+from ddp_comparison import (Net, build, data, loss_of, max_diff, outcome, params, risky_kwargs,
                                 sgd)
 
 

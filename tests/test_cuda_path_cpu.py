@@ -1,4 +1,4 @@
-"""What a CPU can prove about the multi-GPU CUDA path (issue: multi-GPU nodes).
+"""What a CPU can prove about the CUDA path on multi-GPU nodes.
 
 * one rank per GPU: ranks sharing a GPU are refused on every rank, through the store (not NCCL),
   naming both ranks, the host and the device, with the fix;
@@ -172,7 +172,7 @@ def check_close_and_no_cycle(rank, world_size):
     return out
 
 
-# -- one NCCL communicator (issue 21 item 3) -------------------------------------------------------
+# -- one NCCL communicator ------------------------------------------------------------------------
 
 def check_comm_hook_refused_on_the_nccl_transport(rank, world_size):
     """A model whose transport is reported as NCCL, over a group reported as NCCL: a comm hook
@@ -240,7 +240,7 @@ def test_close_is_final_and_idempotent_and_no_cycle_keeps_a_reducer_alive(outcom
         assert r["forward_after_close"] and "closed" in r["forward_after_close"], r
 
 
-# -- one NCCL communicator (issue 21 item 3): see Note [One NCCL communicator] in core/validation.py
+# -- one NCCL communicator: see Note [One NCCL communicator] in core/validation.py
 
 @contextmanager
 def nccl_stand_ins(gloo_groups=()):

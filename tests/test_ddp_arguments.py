@@ -1,4 +1,4 @@
-"""Every argument of the installed torch's DistributedDataParallel constructor (issue 22): handled
+"""Every argument of the installed torch's DistributedDataParallel constructor is handled
 with DDP's meaning, checked against DDP itself at 2 and 3 ranks on both CPU transports, or
 refused with a FusedReducerError naming it and what to use instead.
 

@@ -1,4 +1,4 @@
-"""The main job's evidence (issue 28 point 6): what examples/train_demo.py prints under torchrun
+"""The demo's evidence of fewer all-reduces: what examples/train_demo.py prints under torchrun
 (`bash scripts/demo.sh`) equals an independent count, on both CPU transports.
 
 The demo counts each step's all-reduces with torch.profiler. Here the same schedule (the demo's

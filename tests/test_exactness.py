@@ -1,4 +1,4 @@
-"""No silently wrong gradient (issue 19): plain regression tests beside the property test
+"""No silently wrong gradient: plain regression tests beside the property test
 (tests/test_graph_shapes.py).
 
 - Reentrant checkpointing of the last layer with find_unused_parameters=True is exact (the step
@@ -27,7 +27,8 @@ BACKENDS = ("shm", "process_group")
 
 
 class LastLayerCheckpointed(nn.Module):
-    """The issue's model: two layers, the second (first gradients of backward) checkpointed."""
+    """Two layers, the second (the first gradients of backward) checkpointed: the smallest model
+    whose reentrant checkpoint ends a backward before the module's outputs are reached."""
 
     def __init__(self, wrap_output=False):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Several forwards before their backwards outside no_sync() (issue 40, point 3): the orders pipeline
+"""Several forwards before their backwards outside no_sync(): the orders pipeline
 schedules produce (GPipe F1 F2 F3 F4 B1 B2 B3 B4, 1F1B F1 F2 B1 F3 B2 F4 B3 B4, a reversed F1 F2 B2
 B1), run by hand on 2 gloo ranks without the pipelining package, are reduced exactly: after the
 step every param.grad is the average over the ranks of the sum of its microbatch gradients, as a
@@ -127,7 +127,7 @@ def check_orders_are_exact(rank, world):
             out[(name, backend)] = _train_in_order(FusedReducer(_model(), backend=backend), rank,
                                                    order, STEPS)
         out[(name, "ddp")] = _train_in_order(DDP(_model()), rank, order, STEPS)
-    # Two microbatches, the smallest case of the issue (F1 F2 B1 B2).
+    # Two microbatches, the smallest case of several forwards before their backwards (F1 F2 B1 B2).
     two = [("F", 2), ("F", 3), ("B", 2), ("B", 3)]
     out[("two", "shm")] = _train_in_order(FusedReducer(_model()), rank, two, 1)
     return out

@@ -232,7 +232,7 @@ def test_no_sync_on_gpu_accumulates_then_reduces(nccl_world_of_one):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-# -- issue 21 item 4: widening copies take the vector path -----------------------------------------
+# -- widening copies take the vector path ----------------------------------------------------------
 
 def _slot_offsets(numels, dtype):
     """Slot offsets and the flat buffer's length, as the reducer lays out a bucket (Note [Slot
@@ -317,7 +317,7 @@ def test_widening_copy_whose_narrow_side_starts_half_a_vector_off_still_vectoris
     assert ms[4] <= 1.2 * ms[0], ms
 
 
-# -- issue 21 item 1: the watchdog's error names the bucket ----------------------------------------
+# -- the watchdog's error names the bucket ---------------------------------------------------------
 
 def _keep_gpu_busy(seconds):
     """Queue a kernel on the current stream that spins for about `seconds`.
@@ -375,7 +375,7 @@ def test_nccl_watchdog_timeout_aborts_and_names_the_bucket(nccl_world_of_one):
     assert done.query(), "the GPU drains after the abort"
 
 
-# -- issue 21 item 3: one NCCL communicator ---------------------------------------------------------
+# -- one NCCL communicator ------------------------------------------------------------------------
 
 def _sync_bn_model():
     torch.manual_seed(0)
@@ -438,7 +438,7 @@ def test_comm_hook_needs_the_process_group_transport_on_nccl(nccl_world_of_one):
     ours.close()
 
 
-# -- issue 21 item 2: no host stall per bucket; autotune times CUDA trials on the GPU --------------
+# -- no host stall per bucket; autotune times CUDA trials on the GPU -------------------------------
 
 class _GpuBound(nn.Module):
     """_model() behind a kernel that spins `cycles`: a step of GPU time the host enqueues at once."""
@@ -503,7 +503,7 @@ def test_autotune_times_cuda_trials_with_events_on_the_gpu(nccl_world_of_one, ba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
 def test_world_of_one_reduce_scatter_and_all_gather_are_the_identity_on_nccl(nccl_world_of_one,
                                                                              dtype):
-    """Issue 23 (sharded mode): at world size 1 the in-place reduce-scatter and all-gather leave
+    """Sharded mode: at world size 1 the in-place reduce-scatter and all-gather leave
     the bucket as it was, through ncclReduceScatter/ncclAllGather directly (NcclTransport) and
     through ProcessGroupNCCL's reduce_scatter_single/all_gather_single (in place on a view of the
     bucket); buckets it cannot take are refused naming why."""

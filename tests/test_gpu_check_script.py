@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh, checked statically (no GPU, no build, no spawned ranks; issue 21 item 6):
+"""bench/gpu_check.sh, checked statically (no GPU, no build, no spawned ranks):
 it must fit one short GPU lease (stage limits <= 420 s in all), fail on a CPU-only build and on
 any skipped GPU test, and write exactly one archive plus one summary file."""
 import os
@@ -91,7 +91,8 @@ def test_a_skipped_gpu_test_fails_the_check():
     assert 'find("skipped")' in text and "sys.exit(1 if skipped" in text
     for node in ("tests/test_gpu.py", "tests/test_gpu_ordering.py",
                  "tests/test_reduce_dtype.py::test_cast_copy_cuda_one_launch",
-                 "tests/test_dropin.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda"):
+                 "tests/test_module_surface_like_ddp.py"
+                 "::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda"):
         assert node in text, node
         path, _, test = node.partition("::")
         with open(os.path.join(ROOT, path)) as f:

@@ -123,7 +123,7 @@ class _TwoStreams(nn.Module):
 
 
 def test_gradients_from_several_streams_are_packed_after_their_stream(nccl_world_of_one):
-    """Item 6: a bucket packed on one stream waits for gradients produced on another (at world
+    """A bucket packed on one stream waits for gradients produced on another (at world
     size 1 the unpack writes the packed copy back, so a pack that read early shows as wrong)."""
     ours = fused_reducer.FusedReducer(_TwoStreams().cuda(), backend="nccl")
     ref = _TwoStreams().cuda()

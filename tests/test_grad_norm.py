@@ -1,4 +1,4 @@
-"""model.grad_norm() / clip_grad_norm_ and ShardedOptimizer.grad_norm() (issue 38): the value a
+"""model.grad_norm() / clip_grad_norm_ and ShardedOptimizer.grad_norm(): the value a
 user gets, against references that do not come from FusedReducer (2 and 3 gloo ranks, a
 spawn each):
 - torch.nn.utils.get_total_norm over the param.grad the model holds at that moment (and the

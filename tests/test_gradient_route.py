@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from behaviour_common import (ENV, MiB, SwappedBranches, collectives, fused,
                               fused_with_its_defaults, reference_grads)
 from dist_utils import SelectedChecks, assert_small, results
-from test_dropin_common import (HIDDEN, Net, build, data, grads, local_average_grads, loss_of,
+from ddp_comparison import (HIDDEN, Net, build, data, grads, local_average_grads, loss_of,
                                 max_diff, outcome, params, same_on_all_ranks, sgd, side_group,
                                 step)
 

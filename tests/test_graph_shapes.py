@@ -1,4 +1,4 @@
-"""Every autograd graph shape is exact or refused on every rank: a property test (issue 19).
+"""Every autograd graph shape is exact or refused on every rank: a property test.
 
 hypothesis composes graph shapes from independent features: activation checkpointing (none,
 reentrant, non-reentrant; once or twice per forward), unused parameters (none, fixed, changing
@@ -320,7 +320,7 @@ def _shape(**features):
 
 # Shapes that were wrong or raised once, run first in every profile (Phase.explicit).
 REGRESSIONS = [
-    # Issue 19: the last block under reentrant checkpointing with find_unused_parameters gave
+    # The last block under reentrant checkpointing with find_unused_parameters once gave
     # every rank the same wrong gradients (the step ended with the nested backward).
     _shape(checkpoint="reentrant", checkpoint_head=True, find_unused=True),
     _shape(checkpoint="reentrant", checkpoint_head=True, find_unused=True, unused="by_rank",

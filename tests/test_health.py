@@ -1,4 +1,4 @@
-"""Training health (issue 30), on 2-3 gloo ranks, against independent references:
+"""Training health, on 2-3 gloo ranks, against independent references:
 - check_finite: a NaN/Inf in one rank's local gradients raises NonFiniteGradientError on every
   rank at the end of that backward, the same text, naming the rank, the parameter and the count
   of non-finite elements (counted here on a plain local copy of the model); after zero_grad()

@@ -1,4 +1,4 @@
-"""Hugging Face on FusedReducer (issue 28): transformers' Trainer and accelerate's Accelerator,
+"""Hugging Face on FusedReducer: transformers' Trainer and accelerate's Accelerator,
 each against the same run on DDP, on 2 CPU ranks (gloo) launched by torchrun and by
 `accelerate launch`. Tiny GPT-2 and BERT built from configs (nothing downloaded); the runs are
 tests/hf_worker.py (its docstring: 6 optimizer steps of 2 accumulated micro-batches,

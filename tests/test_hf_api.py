@@ -1,4 +1,4 @@
-"""fused_reducer.accelerate / fused_reducer.transformers in one process (issue 28): what they
+"""fused_reducer.accelerate / fused_reducer.transformers in one process: what they
 refuse, and the version checks of what they rely on beyond accelerate's and transformers'
 public API. The 2-rank training runs against DDP are in tests/test_hf.py."""
 import pytest

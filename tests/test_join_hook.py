@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from behaviour_common import wrap
 from dist_utils import SelectedChecks, per_rank
-from test_dropin_common import (BNNet, buffers, build, data, grads, loss_of, max_diff, outcome,
+from ddp_comparison import (BNNet, buffers, build, data, grads, loss_of, max_diff, outcome,
                                 params, risky_kwargs, same_on_all_ranks, sgd)
 
 

@@ -1,4 +1,5 @@
-"""Issue 29: process endings, run by the lifecycle stress harness (scripts/lifecycle_stress.py).
+"""Process endings, run by the lifecycle stress harness (scripts/lifecycle_stress.py): no run of
+an ending aborts, hangs or leaves a segment, and the peer names the failed rank.
 
 CI's bounded subset: one run of every ending, the two CPU transports in turn (about 1.5 minutes
 on 2 cores; the harness stops starting runs after LIFECYCLE_BUDGET_S, and a run is killed after

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from dist_utils import SelectedChecks, per_rank
-from test_dropin_common import Net, build
+from ddp_comparison import Net, build
 
 
 def check_lightning_timeout_reaches_the_reducer(rank, world):

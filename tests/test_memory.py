@@ -1,4 +1,4 @@
-"""Resident memory (issue 22 point 3): what wrapping and training add is no more than DDP adds on
+"""Resident memory: what wrapping and training add is no more than DDP adds on
 the same model, on both CPU transports and with or without gradient_as_bucket_view, and limit
 changes (each rebuilds the buckets) leave nothing resident behind.
 

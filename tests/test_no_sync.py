@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import fused, wrap
 from dist_utils import SelectedChecks, assert_small, per_rank, results
-from test_dropin_common import (ExtraNet, Net, build, data, grads, loss_of, max_diff, params,
+from ddp_comparison import (ExtraNet, Net, build, data, grads, loss_of, max_diff, params,
                                 same_on_all_ranks, sgd, side_group)
 
 

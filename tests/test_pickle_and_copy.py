@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import fused
 from dist_utils import SelectedChecks, assert_small, per_rank, results
-from test_dropin_common import (Net, build, data, loss_of, max_diff, outcome, params,
+from ddp_comparison import (Net, build, data, loss_of, max_diff, outcome, params,
                                 roundtrip, same_on_all_ranks, sgd)
 
 

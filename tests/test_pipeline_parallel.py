@@ -1,4 +1,4 @@
-"""Pipeline parallel x data parallel (issue 40, point 2): torch.distributed.pipelining's schedules
+"""Pipeline parallel x data parallel: torch.distributed.pipelining's schedules
 driving stages whose modules are FusedReducers over the DP group, through
 fused_reducer.pipelining.PipelineStage (torch's constructor arguments), on a 2 x 2 DeviceMesh
 ("pp", "dp") of 4 gloo ranks. GPipe, 1F1B and Interleaved1F1B (two stages per rank) train exactly as
@@ -407,7 +407,7 @@ def test_dualpipev_is_exact_with_one_reduction_per_bucket(outcomes):
 
 
 def tp_and_split_pipeline_world_of_one(device, steps=2):
-    """Tensor parallel x a split-backward pipeline on one rank (issue 40 on the device path):
+    """Tensor parallel x a split-backward pipeline on one rank, on the device path:
     mesh (pp, dp, tp) = (1, 1, 1), two stages on the rank under ScheduleInterleavedZeroBubble,
     each an MLP with ColwiseParallel + RowwiseParallel Linears in a FusedReducer over mesh['dp'].
     Returns the parameters' largest difference from a float64 copy trained on the same batches,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_utils import SelectedChecks, per_rank
-from test_dropin_common import Net, build, data, loss_of, sgd
+from ddp_comparison import Net, build, data, loss_of, sgd
 
 
 SLOW_MS = 40  # rank 1 sleeps this long in the middle of every backward

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from behaviour_common import SwappedBranches, fused, reference_grads
 from dist_utils import SelectedChecks, assert_small, observe_ready_order, results
-from test_dropin_common import Net, build, data, grads, loss_of, max_diff, sgd
+from ddp_comparison import Net, build, data, grads, loss_of, max_diff, sgd
 
 
 def check_autotune_agreement(rank, world):

@@ -1,4 +1,4 @@
-"""reduce_dtype (issue 11): buckets of floating-point gradients reduced in another dtype.
+"""reduce_dtype: buckets of floating-point gradients reduced in another dtype.
 
 On 2 and 3 gloo ranks (one spawn each, many checks): equivalence with DDP + bf16_compress_hook /
 fp16_compress_hook (bitwise on 2 ranks, where dividing by 2 is exact and a + b is commutative;

@@ -1,4 +1,4 @@
-"""ShardedOptimizer (issue 23): each rank keeps the state of, and updates, its shard of every
+"""ShardedOptimizer: each rank keeps the state of, and updates, its shard of every
 bucket; the parameters are all-gathered after the step (Note [Sharded optimizer]).
 
 Against DDP + the same torch optimizer on the same data, at 2, 3 and 4 ranks, on both CPU

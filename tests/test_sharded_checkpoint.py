@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 41): a ShardedOptimizer saves and resumes through
+"""Sharded checkpoints: a ShardedOptimizer saves and resumes through
 torch.distributed.checkpoint, each rank writing only its fragments (Note [Sharded checkpoint
 format] in python/fused_reducer/sharded/checkpoint.py).
 

@@ -1,8 +1,8 @@
 """The shared-memory transport (Note [Shared-memory all-reduce]): sums against independent
 references (float64, a plain gloo dist.all_reduce), chunking, identical replicas, the choice and
 fallback of backend='auto', and faults (different buckets, a peer that closes or never comes,
-a forked DataLoader worker) as clear errors, never hangs. Issue 20 (shared hosts, forked children,
-timeouts, small containers): the forked child's exit status, cancellation of a timed-out wait, a
+a forked DataLoader worker) as clear errors, never hangs. Shared hosts, forked children,
+timeouts and small containers: the forked child's exit status, cancellation of a timed-out wait, a
 header rewritten by another process, attach checks, infinite timeouts, dropping a transport
 holding the GIL, complex and overflowing integer sums, a malformed store value, close() from two
 threads, /dev/shm sizing and dead segments, store keys per torchrun restart attempt."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from behaviour_common import MiB, fused, fused_with_its_defaults
 from dist_utils import SelectedChecks, results
-from test_dropin_common import Net, build, data, loss_of, sgd, step
+from ddp_comparison import Net, build, data, loss_of, sgd, step
 
 
 SLEEP_S = 0.25

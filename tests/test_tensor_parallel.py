@@ -1,4 +1,4 @@
-"""Tensor parallel x data parallel (issue 40, point 1): a block whose parameters are DTensors
+"""Tensor parallel x data parallel: a block whose parameters are DTensors
 (parallelize_module: ColwiseParallel + RowwiseParallel MLP, and a LayerNorm replicated over the
 tensor-parallel dimension) on a 2 x 2 DeviceMesh ("dp", "tp") of 4 gloo ranks, wrapped with
 FusedReducer(model, device_mesh=mesh["dp"]) (Note [DTensor parameters] in
@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fused_reducer import FusedReducer, FusedReducerError
 from dist_utils import SelectedChecks, per_rank
-from test_dropin_common import roundtrip
+from ddp_comparison import roundtrip
 
 WORLD = 4
 STEPS = 3

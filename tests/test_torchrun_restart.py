@@ -1,4 +1,5 @@
-"""Issue 20 item 8, end to end: a real torchrun restart (2 CPU ranks, gloo).
+"""A real torchrun restart resumes from the checkpoint on the shared-memory transport, end to end
+(2 CPU ranks, gloo).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
         --monitor-interval 0.5 tests/torchrun_restart_worker.py OUTDIR fused
@@ -212,7 +213,7 @@ def test_ddp_restarts_under_the_same_launcher_set_up(tmp_path):
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_a_sharded_optimizer_resumes_from_its_dcp_checkpoint_after_a_torchrun_restart(tmp_path):
-    """Issue 41: the same restart with a ShardedOptimizer whose checkpoint every rank writes its
+    """The same restart with a ShardedOptimizer whose checkpoint every rank writes its
     part of (dcp.save of sharded_state_dict()); attempt 1 loads it the documented way and ends
     where a run without a restart ends (the float64 reference)."""
     require_torchrun()

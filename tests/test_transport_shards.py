@@ -1,4 +1,4 @@
-"""The sharded mode's transport collectives (issue 23, point 6): Transport.reduce_scatter_sum and
+"""The sharded mode's transport collectives: Transport.reduce_scatter_sum and
 Transport.all_gather, in place on a flat bucket of world_size equal shards, on the process-group
 (gloo) and shared-memory transports, at 2, 3 and 4 ranks (Note [Process-group reduce-scatter and
 all-gather], Note [Shared-memory reduce-scatter and all-gather]).

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behaviour_common import collectives, fused, fused_with_its_defaults
 from dist_utils import SelectedChecks, assert_small, per_rank, results
-from test_dropin_common import (ExtraNet, HIDDEN, build, data, grads, loss_of, max_diff, params,
+from ddp_comparison import (ExtraNet, HIDDEN, build, data, grads, loss_of, max_diff, params,
                                 sgd, step)
 
 

@@ -493,7 +493,7 @@ static void test_dead_and_reused_peers() {
 }
 
 
-// Issue 29: the endings of a process, at the segment level (ThreadSanitizer and AddressSanitizer
+// The endings of a process, at the segment level (ThreadSanitizer and AddressSanitizer
 // run this too). Every order ends in an error on the surviving ranks, promptly, never a hang.
 static shm::BucketIo exiting_after(std::vector<float>& data, int64_t chunks_before_exit) {
   auto io = bucket_of(data, 1);

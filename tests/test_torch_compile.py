@@ -1,4 +1,4 @@
-"""torch.compile and FusedReducer (issue 9, point 2): FusedReducer(torch.compile(model)) and
+"""torch.compile and FusedReducer: FusedReducer(torch.compile(model)) and
 torch.compile(FusedReducer(model)) train to DDP's parameters when DDP is wrapped the same way,
 with backend "eager" and "inductor"; compiled autograd works or raises at once a RuntimeError
 naming compiled autograd.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import per_rank, run_checks
-from test_dropin_common import (
+from ddp_comparison import (
     FR_IS_DDP, Net, WRAP, assert_all_close, build, data, local_average_grads, loss_of,
     max_diff, outcome, sgd)
 

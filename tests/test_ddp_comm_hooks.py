@@ -1,4 +1,4 @@
-"""DDP communication hooks run unchanged under FusedReducer (issue 9, point 4).
+"""DDP communication hooks run unchanged under FusedReducer.
 
 Every hook of torch.distributed.algorithms.ddp_comm_hooks (allreduce, fp16/bf16 compression, the
 compress wrappers, PowerSGD and batched PowerSGD with start_powerSGD_iter=2 so that compression is
@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
 from dist_utils import per_rank, run_checks
-from test_dropin_common import (
+from ddp_comparison import (
     LR, WRAP, assert_all_close, build, grads, loss_of, max_diff, outcome, params, risky_kwargs,
     same_on_all_ranks)
 

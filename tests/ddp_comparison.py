@@ -1,8 +1,13 @@
-"""Helpers shared by the tests/test_dropin*.py files (issue 9: FusedReducer as a drop-in for DDP).
+"""Helpers for running the same user loop under DDP and under FusedReducer and comparing them:
+the two wrappers (`WRAP`, `fused`, `ddp`), side groups with a short timeout, the small models,
+data, loss and optimizer, and the differences between two runs. Shared by the side-by-side files
+(test_module_surface_like_ddp.py, test_implicit_ddp_behaviours.py, test_torch_compile.py,
+test_ddp_comm_hooks.py, test_join_uneven_inputs.py) and, for its models and helpers, most other
+test files.
 
-No tests here. Every scenario of those files runs the same user loop twice on 2 gloo ranks, once
-under torch's DistributedDataParallel and once under FusedReducer, and compares what the user
-sees (parameters, gradients, buffers, exceptions).
+No tests here. Every scenario of the side-by-side files runs the same user loop twice on 2 gloo
+ranks, once under torch's DistributedDataParallel and once under FusedReducer, and compares what
+the user sees (parameters, gradients, buffers, exceptions).
 
 Checking the tests themselves: with DROPIN_FR_IS_DDP=1 in the environment, `fused()` builds a
 DDP instead of a FusedReducer (FusedReducer-only keyword arguments dropped), so every

@@ -1,9 +1,10 @@
-"""FusedReducer is a drop-in for DDP (issue 9): nn.Module citizenship, checkpoints both ways,
-casting before and after wrapping, pickling, autocast, gradient clipping, SyncBatchNorm (GPU).
+"""What a user sees of the wrapper is what DDP shows: nn.Module citizenship (names, methods,
+repr), checkpoints both ways, casting before and after wrapping, pickling, constructor device
+arguments, autocast, gradient clipping, SyncBatchNorm (GPU).
 
 Each check runs the same user loop under DDP and under FusedReducer on 2 gloo ranks and returns
 the differences; all checks share one spawn (a spawn costs seconds). Helpers and models:
-test_dropin_common.py (DROPIN_FR_IS_DDP=1 turns the FusedReducer side into DDP, to check the tests).
+ddp_comparison.py (DROPIN_FR_IS_DDP=1 turns the FusedReducer side into DDP, to check the tests).
 """
 import io
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from dist_utils import per_rank, run_checks
-from test_dropin_common import (
+from ddp_comparison import (
     BNNet, FR_IS_DDP, Frozen, Net, WRAP, assert_all_close, assert_close, build, buffers, data,
     ddp, fused, grads, local_average_grads, loss_of, max_diff, outcome, params, roundtrip,
     same_on_all_ranks, sgd, train)
@@ -85,7 +86,7 @@ def check_float64_model_cast_before_wrapping(rank, world):
 
 def check_cast_after_wrapping_raises_or_trains_correctly(rank, world):
     """Casting the wrapped model after construction: a clear error, or correct averages."""
-    from test_dropin_common import risky_kwargs
+    from ddp_comparison import risky_kwargs
     model = fused(build(Net), **risky_kwargs())
     opt = train(model, rank, 1)
     returned_self = model.to(torch.float64) is model

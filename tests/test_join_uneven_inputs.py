@@ -1,4 +1,4 @@
-"""Uneven inputs (issue 9, point 3): `with model.join(...)` as with DDP, built on
+"""Uneven inputs: `with model.join(...)` as with DDP, built on
 torch.distributed.algorithms.Join so it composes with ZeroRedundancyOptimizer.
 
 Rank 0 gets 5 batches, rank 1 gets 3. The same loop runs under DDP.join and FusedReducer.join;
@@ -7,7 +7,7 @@ divide_by_initial_world_size True and False, find_unused_parameters, BatchNorm b
 Join([model, ZeroRedundancyOptimizer]). throw_on_early_termination=True raises on every rank.
 
 A broken join leaves the rank with more batches waiting for collectives its peer never starts:
-every scenario runs on a side group with a short timeout (test_dropin_common.risky_kwargs), so
+every scenario runs on a side group with a short timeout (ddp_comparison.risky_kwargs), so
 that is an error, not a hang.
 """
 import pytest
@@ -17,7 +17,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dist_utils import per_rank, run_checks
-from test_dropin_common import (
+from ddp_comparison import (
     BNNet, ExtraNet, LR, Net, WRAP, assert_close, build, buffers, data, loss_of, max_diff,
     outcome, params, risky_kwargs, same_on_all_ranks, sgd)
 

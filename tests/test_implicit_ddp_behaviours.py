@@ -1,4 +1,4 @@
-"""DDP behaviours a user relies on without knowing (issue 9, point 8), each run under DDP and under
+"""DDP behaviours a user relies on without knowing, each run under DDP and under
 FusedReducer on 2 gloo ranks in one spawn: no_sync with unused parameters and with BatchNorm,
 undefined gradients, reassigned buffers, two forwards per backward, create_graph, calling the
 inner module directly, static_graph, broadcast_buffers=False, exceptions inside no_sync, eval and
@@ -7,7 +7,7 @@ wrappers in one process; then FusedReducer-only settings (trace_steps, first-buc
 a stalled peer with timeout=.
 
 Scenarios that could leave one rank waiting on a broken wrapper run on a side group with a short
-timeout (test_dropin_common.risky_kwargs), so a failure is an error, not a hung spawn.
+timeout (ddp_comparison.risky_kwargs), so a failure is an error, not a hung spawn.
 """
 import os
 import time
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_utils import per_rank, run_checks
-from test_dropin_common import (
+from ddp_comparison import (
     BNNet, CheckpointedWithUnused, DictOut, ExtraNet, FR_IS_DDP, HIDDEN, Net, StatNet, TiedNet,
     TwoHeads, WRAP, assert_all_close, assert_close, build, buffers, data, fused, grads, loss_of,
     max_diff, outcome, params, risky_kwargs, same_on_all_ranks, sgd, side_group, step, train)
