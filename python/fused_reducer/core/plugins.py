@@ -11,10 +11,10 @@ hook, the interface is small:
 * ``"export_profile"``: ``export(model, path)``, a collective; returns the path written or None.
 * ``"export_trace"``: ``export(model, path, steps)``; returns the path written.
 
-A forward observer is what ``model.attachment.tuner`` holds: the wrapper calls ``on_forward()`` once per
-synchronised step, before the forward runs (it may set the bucket limits for this step: a safe
-point); reads ``state`` (``"done"`` once it no longer issues collectives of its own: join and
-ShardedOptimizer wait for that); calls ``abandon()`` when a new one replaces it and
+A forward observer is what ``model.attachment.tuner`` holds: the wrapper calls ``on_forward()``
+once per synchronised step, before the forward runs (it may set the bucket limits for this step:
+a safe point); reads ``state`` (``"done"`` once it no longer issues collectives of its own: join
+and ShardedOptimizer wait for that); calls ``abandon()`` when a new one replaces it and
 ``report()`` for ``autotune_report()``.
 """
 from ..errors import FusedReducerError

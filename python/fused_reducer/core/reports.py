@@ -63,8 +63,9 @@ class Reports:
 
     def bucket_parameter_names(self):
         """Parameter names per bucket of the layout in force, in launch order."""
-        names = self._attachment_or_raise().param_names
-        return [[names[i] for i in bucket] for bucket in self._attachment_or_raise().reducer.bucket_params()]
+        attachment = self._attachment_or_raise()
+        names = attachment.param_names
+        return [[names[i] for i in bucket] for bucket in attachment.reducer.bucket_params()]
 
     def stats(self):
         """step; allreduces and allreduce_bytes: the gradients' collectives of the last

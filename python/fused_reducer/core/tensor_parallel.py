@@ -38,8 +38,8 @@ the default group, which for a tensor-parallel model also holds the TP ranks (it
 be averaged with each other: refused by _refuse_sharded_over_dp). The copy of a model with
 DTensor parameters therefore keeps the name of its data-parallel group and attaches to that group
 again (group_named: as DeviceMesh finds its groups after unpickling); a process without a group
-of that name raises, naming what to do. The plain leaves (the attachment's tensor_parallel) are rebuilt from the copy's
-DTensor parameters when it attaches. parallelize_module and distribute_module register their
+of that name raises, naming what to do. The plain leaves (the attachment's tensor_parallel) are
+rebuilt from the copy's DTensor parameters when it attaches. parallelize_module and distribute_module register their
 input/output conversions as lambdas, which pickle cannot save (the unwrapped module fails alike,
 "Can't pickle local object 'distribute_module.<locals>.<lambda>'"): pickling such a model raises
 FusedReducerError naming the hook and the ways that work (copy.deepcopy, which copies hooks by
