@@ -3,8 +3,8 @@
 Attaching is the collective part of construction: check that every rank wraps the same model,
 broadcast rank 0's parameters and buffers, join the transport, build the C++ reducer from the
 model's ReducerConfig (its hooks are then installed). The wrapper owns the Attachment it gets,
-replaces it when it attaches again (after unpickling) and closes it (close(), garbage
-collection, interpreter exit).
+replaces it when it attaches again (after unpickling) and closes it (FusedReducer.close(),
+which also runs at garbage collection and at interpreter exit).
 
 Join (core/join.py), the sharded optimizer (sharded/optimizer.py), the tuning layer (tuning/),
 the pipelining stage (pipelining.py) and the integrations use a model's reducer, transport,
@@ -13,7 +13,6 @@ what it holds for a step beyond that (the comm hook, the ShardedOptimizer, the a
 and dies with it, as DDP's reducer owns its comm hook. Like DDP's ``reducer``, it is internal:
 no promise to users.
 """
-import atexit
 import weakref
 
 import torch
@@ -85,7 +84,6 @@ class Attachment:
         self.reducer.set_trace_capacity(trace_steps)
         if sharded:
             self.enter_sharded_mode()
-        _live_attachments.add(self)
 
     # -- the parameters ----------------------------------------------------------------------
     @property
@@ -182,7 +180,6 @@ class Attachment:
         raises afterwards if a collective had failed in the background. Idempotent."""
         reducer, transport = self.reducer, self.transport
         self.reducer = self.transport = self.tuner = None
-        _live_attachments.discard(self)
         failure = None
         if transport is not None:
             try:
@@ -230,24 +227,3 @@ def _comm_hook_launcher(attachment):
         return ref().run_comm_hook(index, is_last, flat, views, params)
 
     return launch
-
-
-_live_attachments = weakref.WeakSet()
-
-# Seconds the exit handler waits for the backend threads to let go of the reducer's collectives.
-EXIT_SETTLE_S = 2.0
-
-
-@atexit.register
-def _close_live_attachments():
-    """At interpreter exit, before Python finalises: release every communicator still open
-    (bounded: see close()), then wait for the process group's threads to let go of the
-    collectives the reducer launched, so that none of them is destroyed on such a thread while
-    Python shuts down (an abort at exit; Note [Releasing process-group work], Note [Process
-    life] in ext/transport.h)."""
-    for attachment in list(_live_attachments):
-        try:
-            attachment.close()
-        except Exception:  # noqa: BLE001 - exit must go on
-            pass
-    _C.settle_released_works(EXIT_SETTLE_S)

@@ -7,14 +7,17 @@ model is attached to (group, transport, C++ reducer, parameters) is its Attachme
 which backward is reduced (core/backward_arming.py), norms (core/norms.py), the sharded mode
 (core/sharded_mode.py), copies (core/copies.py), reports and exports (core/reports.py).
 """
-from contextlib import contextmanager
+import atexit
 import warnings
+import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from .. import _C
 from ..errors import FusedReducerError
 from ..settings import as_byte_list, as_bytes, as_reduce_dtype
 from ..transports.transport import resolve_backend
@@ -169,6 +172,7 @@ class FusedReducer(nn.Module, Joinable, Reports):
                                                            self._attachment.params))
         self.backend = self._attachment.backend
         self._has_tp = bool(self._attachment.tensor_parallel)  # a plain bool, read by forward
+        _live_models.add(self)
         if self._layout_log is not None:
             self._layout_log.attached(self)
 
@@ -197,6 +201,13 @@ class FusedReducer(nn.Module, Joinable, Reports):
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             attachment.close()
+
+    def __del__(self):
+        try:
+            if self.__dict__.get("_attachment") is not None:
+                self.close()
+        except Exception:  # noqa: BLE001 - never raise from the garbage collector
+            pass
 
     # -- copies: like DDP, the process group and the reducer are not part of the pickle ---------
     def __getstate__(self):
@@ -588,3 +599,24 @@ class FusedReducer(nn.Module, Joinable, Reports):
                 f"FusedReducer.{what}: this model is in sharded mode but its ShardedOptimizer "
                 "is gone; the averaged gradients exist only as its shards")
         return optimizer
+
+
+_live_models = weakref.WeakSet()
+
+# Seconds the exit handler waits for the backend threads to let go of the reducer's collectives.
+EXIT_SETTLE_S = 2.0
+
+
+@atexit.register
+def _close_live_models():
+    """At interpreter exit, before Python finalises: close every model still attached (bounded:
+    see close()), then wait for the process group's threads to let go of the collectives the
+    reducer launched, so that none of them is destroyed on such a thread while Python shuts down
+    (an abort at exit; Note [Releasing process-group work], Note [Process life] in
+    ext/transport.h)."""
+    for model in list(_live_models):
+        try:
+            model.close()
+        except Exception:  # noqa: BLE001 - exit must go on
+            pass
+    _C.settle_released_works(EXIT_SETTLE_S)
