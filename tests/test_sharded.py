@@ -821,7 +821,7 @@ def check_resume_at_this_world_size(rank, world):
             if model is ours and step == 4:
                 # The first forward applied this world size's sharded layout: the loaded state
                 # is split into its fragments, and consolidated again by state_dict().
-                split = ours._reducer.sharded_layout() and opt._inner is None
+                split = ours.attachment.reducer.sharded_layout() and opt._inner is None
                 again = opt.state_dict()["state"]
                 split = split and len(opt._inner.state) > 0
                 round_trip = max((again[i][k] - v).abs().max().item()
