@@ -190,6 +190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_bucket_caps", &fused_reducer::check_bucket_caps, py::arg("caps"));
   m.def("check_last_bucket_bytes", &fused_reducer::check_last_bucket_bytes, py::arg("bytes"));
   m.def("check_reduce_dtype", &fused_reducer::check_reduce_dtype, py::arg("reduce_dtype"));
+  m.def("check_health_options", &fused_reducer::check_health_options, py::arg("options"));
   m.def("check_bucket_view_dtypes", &fused_reducer::check_bucket_view_dtypes,
         py::arg("gradient_as_bucket_view"), py::arg("reduce_dtype"), py::arg("param_dtypes"),
         py::arg("names"));

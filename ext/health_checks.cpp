@@ -54,20 +54,29 @@ std::string milliseconds(double ms) {
 
 }  // namespace
 
+void check_health_options(const HealthOptions& options) {
+  auto refuse = [](const std::string& what) { throw ModelSettingError("FusedReducer: " + what); };
+  if (options.straggler_interval < 0) {
+    refuse("straggler_interval must be >= 0 steps (0: off), got " +
+           std::to_string(options.straggler_interval));
+  }
+  if (options.straggler_window <= 0) {
+    refuse("straggler_window must be a positive number of steps, got " +
+           std::to_string(options.straggler_window));
+  }
+  if (!(options.straggler_threshold_ms >= 0)) {
+    refuse("straggler_threshold_ms must be a positive number of milliseconds, or None "
+           "(automatic), got " + std::to_string(options.straggler_threshold_ms));
+  }
+  if (options.straggler_warn_steps <= 0) {
+    refuse("straggler_warn_steps must be a positive number of steps, got " +
+           std::to_string(options.straggler_warn_steps));
+  }
+}
+
 HealthChecks::HealthChecks(HealthOptions options, int rank, int world_size)
     : options_(options), rank_(rank), world_size_(world_size), warned_(world_size, 0) {
-  TORCH_CHECK(options_.straggler_interval >= 0,
-              "FusedReducer: straggler_interval must be >= 0 steps (0: off), got ",
-              options_.straggler_interval);
-  TORCH_CHECK(options_.straggler_window > 0,
-              "FusedReducer: straggler_window must be a positive number of steps, got ",
-              options_.straggler_window);
-  TORCH_CHECK(options_.straggler_threshold_ms >= 0,
-              "FusedReducer: straggler_threshold_ms must be >= 0 (0 or None: automatic), got ",
-              options_.straggler_threshold_ms);
-  TORCH_CHECK(options_.straggler_warn_steps > 0,
-              "FusedReducer: straggler_warn_steps must be a positive number of steps, got ",
-              options_.straggler_warn_steps);
+  check_health_options(options_);
   report_.lateness_ms.assign(world_size, kNaN);
   report_.slack_ms.assign(world_size, kNaN);
   report_.late_steps.assign(world_size, 0);

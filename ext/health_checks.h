@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "setting_error.h"
+
 namespace fused_reducer {
 
 struct HealthOptions {
@@ -39,8 +41,11 @@ struct HealthOptions {
 };
 
 // Every field of HealthOptions, once, by the name Python sets it by (ReducerOptions.health.<name>,
-// filled from FusedReducer's keyword arguments by core/validation.py's _health_settings):
+// filled from FusedReducer's keyword arguments through core/config.py's HealthConfig):
 // bindings.cpp binds what this lists, so a new option is a field above and a line here.
+// Throws ModelSettingError naming the first option out of its range.
+void check_health_options(const HealthOptions& options);
+
 template <class Visit>
 void for_each_health_option(Visit&& visit) {
   visit("check_finite", &HealthOptions::check_finite);

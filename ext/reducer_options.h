@@ -7,19 +7,13 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <vector>
 
 #include "health_checks.h"
+#include "setting_error.h"
 
 namespace fused_reducer {
 
-// A model or setting the reducer refuses: Python receives it as
-// fused_reducer.errors.FusedReducerError (translated in bindings.cpp), so a
-// check written once here reads like the Python checks of core/validation.py.
-struct ModelSettingError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
 
 struct ReducerOptions {
   // Size limits of each group's buckets in launch order, the last one

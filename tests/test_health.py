@@ -915,3 +915,14 @@ def test_the_norm_follows_changes_the_version_counter_misses_unscale_data_all_re
         for change in ("data", "all_reduce"):
             mine, theirs, source = out[change]
             assert abs(mine - theirs) <= 1e-6 * theirs and source == "torch", (change, out[change])
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("straggler_interval", -1), ("straggler_window", 0), ("straggler_warn_steps", 0),
+    ("straggler_threshold_ms", -5.0), ("straggler_threshold_ms", float("nan")),
+    ("straggler_threshold_ms", 0), ("straggler_window", 2.5), ("check_finite", 1)])
+def test_a_health_setting_out_of_range_is_refused_at_construction_naming_it(setting, value):
+    """Checked before anything collective (no process group needed), as FusedReducerError."""
+    from fused_reducer import FusedReducer, FusedReducerError
+    with pytest.raises(FusedReducerError, match=setting):
+        FusedReducer(torch.nn.Linear(2, 2), **{setting: value})

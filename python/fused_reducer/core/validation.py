@@ -17,27 +17,33 @@ _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into nu
 
 
 def health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
-                     straggler_warn_steps):
-    """The C++ reducer's health options, checked (see ext/health_checks.h)."""
+                    straggler_warn_steps):
+    """The C++ reducer's health options (ext/health_checks.h): the types checked here, the
+    ranges by C++'s check_health_options, before any collective."""
     if not isinstance(check_finite, bool):
         raise FusedReducerError(f"FusedReducer: check_finite must be True or False, got "
                                 f"{check_finite!r}")
-    for name, value, low in (("straggler_interval", straggler_interval, 0),
-                             ("straggler_window", straggler_window, 1),
-                             ("straggler_warn_steps", straggler_warn_steps, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**62:
-            raise FusedReducerError(f"FusedReducer: {name} must be an int >= {low} (steps, below "
-                                    f"2**62), got {value!r}")
+    for name, value in (("straggler_interval", straggler_interval),
+                        ("straggler_window", straggler_window),
+                        ("straggler_warn_steps", straggler_warn_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**62:
+            raise FusedReducerError(f"FusedReducer: {name} must be an int number of steps "
+                                    f"(below 2**62), got {value!r}")
     threshold = straggler_threshold_ms
-    if threshold is None:
-        threshold = 0.0  # automatic
-    elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not threshold > 0:
+    # None is automatic, which C++ spells 0: an explicit value must then be positive.
+    if threshold is not None and (isinstance(threshold, bool)
+                                  or not isinstance(threshold, (int, float)) or threshold == 0):
         raise FusedReducerError(f"FusedReducer: straggler_threshold_ms must be a positive number "
                                 f"of milliseconds, or None (automatic), got {threshold!r}")
-    return {"check_finite": check_finite, "straggler_interval": straggler_interval,
-            "straggler_window": straggler_window, "straggler_threshold_ms": float(threshold),
-            "straggler_warn_steps": straggler_warn_steps}
+    settings = {"check_finite": check_finite, "straggler_interval": straggler_interval,
+                "straggler_window": straggler_window,
+                "straggler_threshold_ms": 0.0 if threshold is None else float(threshold),
+                "straggler_warn_steps": straggler_warn_steps}
+    options = _C.HealthOptions()
+    for name, value in settings.items():
+        setattr(options, name, value)
+    _C.check_health_options(options)
+    return settings
 
 
 def check_bucket_view_dtypes(gradient_as_bucket_view, reduce_dtype, named):
