@@ -1,0 +1,213 @@
+"""fused_reducer.torchft: FusedReducer as the reducer of torchft replica groups (issue 47).
+
+Replicas are processes (tests/ft_worker.py, one rank each, gloo on 127.0.0.1) around a Lighthouse
+started in this process (torchft._torchft.LighthouseServer). Each replica logs every step (the
+step, whether it committed, the participants, what its buckets did) and writes its final
+parameters; the test replays the committed steps in float64 on one process (the global batch of
+each step: the participants' batches, their gradients averaged) and compares.
+
+Bounded: every replica gives up after `max_s`, the test waits for it at most WAIT_S, and kills
+only the processes it started (by pid) if they outlive that.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install .[ft])")
+
+import torch  # noqa: E402
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+import ft_worker  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WAIT_S = 150
+TOLERANCE = 1e-5
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
+    yield server.address()
+    server.shutdown()
+
+
+def start(out, replica, lighthouse, **cfg):
+    cfg = dict(replica=replica, out=str(out), lighthouse=lighthouse, max_s=WAIT_S - 30, **cfg)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(HERE), "python"), HERE, os.environ.get("PYTHONPATH", "")]))
+    log = open(os.path.join(out, f"replica{replica}.out"), "ab")
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "ft_worker.py"), json.dumps(cfg)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_together(out, lighthouse, configs):
+    """Start the replicas of `configs` ({replica: cfg}) and let them train once every Manager
+    is up (heartbeating), so that the first quorum has them all."""
+    go = os.path.join(out, "go")
+    procs = {r: start(out, r, lighthouse, go=go, **cfg) for r, cfg in configs.items()}
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in configs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+            wait_all(procs, out, time.monotonic())
+            pytest.fail("a replica did not get ready within 60 s")
+        time.sleep(0.05)
+    open(go, "w").close()
+    return procs
+
+
+def wait_all(procs, out, deadline):
+    """Exit codes of `procs` ({replica: Popen}); kills (by pid) any still running at `deadline`."""
+    codes = {}
+    for replica, proc in procs.items():
+        try:
+            codes[replica] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            codes[replica] = "hung"
+    if any(c != 0 for c in codes.values()):
+        tails = {r: open(os.path.join(out, f"replica{r}.out"), errors="replace").read()[-3000:]
+                 for r in procs}
+        pytest.fail(f"replicas ended with {codes}; output tails:\n" +
+                    "\n".join(f"--- replica {r}\n{t}" for r, t in tails.items()))
+    return codes
+
+
+def records(out, replica):
+    path = os.path.join(out, f"replica{replica}.log")
+    return [json.loads(line) for line in open(path)]
+
+
+def replay(all_records):
+    """Float64 parameters after the committed steps: at each, the participants' batches, their
+    gradients averaged, torch's SGD with momentum. Checks that every committed step's set of
+    committing replicas has as many members as the Manager counted participants (a replica that
+    contributed and is not in the log would otherwise go unnoticed)."""
+    committed, counts = {}, {}
+    for rec in all_records:
+        if rec.get("commit"):
+            committed.setdefault(rec["step"], set()).add(rec["replica"])
+            counts.setdefault(rec["step"], set()).add(rec["participants"])
+    steps = sorted(committed)
+    assert steps == list(range(len(steps))), f"committed steps are not 0..n-1: {steps}"
+    model = ft_worker.make_model(torch.float64)
+    params = list(model.parameters())
+    buffers = None
+    for step in steps:
+        who = sorted(committed[step])
+        assert counts[step] == {len(who)}, (step, who, counts[step])
+        grads = [torch.zeros_like(p) for p in params]
+        for replica in who:
+            model.zero_grad()
+            x, y = ft_worker.batch(step, replica, torch.float64)
+            ft_worker.loss_fn(model(x), y).backward()
+            for g, p in zip(grads, params):
+                g += p.grad / len(who)
+        with torch.no_grad():
+            if buffers is None:
+                buffers = [g.clone() for g in grads]
+            else:
+                for b, g in zip(buffers, grads):
+                    b.mul_(ft_worker.MOMENTUM).add_(g)
+            for p, b in zip(params, buffers):
+                p -= ft_worker.LR * b
+    return dict(model.named_parameters()), steps, committed
+
+
+def max_error(final, reference):
+    return max((final[n].double() - reference[n]).abs().max().item() for n in reference)
+
+
+def test_two_replicas_match_float64_and_overlap(tmp_path, lighthouse):
+    """Two replicas, no failure: every step commits with both, the parameters equal the float64
+    model trained on the global batch, the buckets go out during backward and the hook returns
+    before its bucket is reduced: backward goes on meanwhile (the reducer waits once, at the end
+    of backward)."""
+    steps = 6
+    procs = start_together(tmp_path, lighthouse,
+                           {r: dict(steps=steps, final_participants=2) for r in range(2)})
+    wait_all(procs, tmp_path, time.monotonic() + WAIT_S)
+    recs = {r: records(tmp_path, r) for r in range(2)}
+    reference, committed_steps, committed = replay(recs[0] + recs[1])
+    # Both started together: every step both took part (none alone, none skipped).
+    assert all(len(committed[s]) == 2 for s in committed_steps), committed
+    assert all(rec["commit"] and rec["participants"] == 2 for r in recs for rec in recs[r])
+    for r in range(2):
+        final = torch.load(os.path.join(tmp_path, f"replica{r}.pt"))
+        assert max_error(final, reference) < TOLERANCE
+    # The layout: rebuilt after the first step (not the initial one), then by the limits of
+    # step 2, the same on both replicas at every step.
+    layouts = [[rec["layout"] for rec in recs[r]] for r in range(2)]
+    assert layouts[0] == layouts[1]
+    assert layouts[0][0] != layouts[0][1] and layouts[0][1] != layouts[0][2], layouts[0][:3]
+    for r in range(2):
+        for rec in recs[r]:
+            assert rec["buckets"] == len(rec["layout"])
+            # Every bucket but the one holding the last gradients went out before backward's
+            # computation ended.
+            assert rec["launched_before_end"] >= rec["buckets"] - 1, rec
+    # Asynchronous: backward computed gradients while buckets were being reduced (never, if the
+    # hook waited for its bucket: backward runs on the thread that calls the hook).
+    # (Only one replica overlaps in a step, often: the later one finds its peer's data there.)
+    overlapped = [[rec["overlapped"] for rec in recs[r]] for r in range(2)]
+    assert sum(map(sum, overlapped)) >= steps // 2, overlapped
+
+
+def test_kill_in_backward_survivor_skips_step_and_restarted_replica_heals(tmp_path, lighthouse):
+    """Replica 1 is SIGKILLed (its own pid) in the backward of step 3 with a bucket already sent
+    to the Manager: replica 0 keeps training in the same process, does not commit that step (no
+    partial average), trains alone meanwhile; replica 1 restarted heals from replica 0's live
+    state (model, optimizer, the bucket limits changed at step 2 and the rebuilt layout, step
+    counter) and joins; both end equal to the float64 replay of the committed steps."""
+    kill_step, steps = 3, 10
+    procs = start_together(tmp_path, lighthouse, {
+        0: dict(steps=steps, final_participants=2, pause_s=0.05),
+        1: dict(steps=steps, final_participants=2, kill_step=kill_step, kill_in="backward",
+                kill_after_buckets=1)})
+    deadline = time.monotonic() + WAIT_S
+    try:
+        code = procs[1].wait(timeout=WAIT_S / 2)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == -signal.SIGKILL, f"replica 1 was to kill itself in backward, ended with {code}"
+    killed = [rec for rec in records(tmp_path, 1) if "killed" in rec]
+    assert killed and killed[0]["killed"] == kill_step and killed[0]["launched"] >= 1, killed
+    first_pid = procs[1].pid
+    # Restart only once the survivor has committed a step alone: it goes on without restarting
+    # while the peer is down (the Lighthouse drops the dead replica at its heartbeat timeout).
+    while not any(rec.get("commit") and rec["participants"] == 1
+                  for rec in records(tmp_path, 0)):
+        if time.monotonic() > deadline - 60 or procs[0].poll() is not None:
+            wait_all({0: procs[0]}, tmp_path, time.monotonic())
+            pytest.fail("the survivor did not commit a step alone")
+        time.sleep(0.1)
+    procs[1] = start(tmp_path, 1, lighthouse, steps=steps, final_participants=2, restarted=True,
+                     pause_s=0.05)
+    wait_all(procs, tmp_path, deadline)
+
+    survivor = records(tmp_path, 0)
+    assert len({rec["pid"] for rec in survivor}) == 1  # never restarted
+    at_kill = [rec for rec in survivor if rec["step"] == kill_step]
+    assert not at_kill[0]["commit"] and at_kill[0]["errored"], at_kill[0]
+    restarted = [rec for rec in records(tmp_path, 1) if "step" in rec and rec["pid"] != first_pid]
+    joined = restarted[0]
+    assert joined["healed_at"] > kill_step and joined["step"] == joined["healed_at"]
+    assert joined["participants"] == 2
+    # Its first step, already with the survivor's layout and limits (set at step 2, before it
+    # started): they came with the live state.
+    same_step = [rec for rec in survivor if rec["step"] == joined["step"] and rec["commit"]]
+    assert same_step and same_step[0]["participants"] == 2
+    assert joined["layout"] == same_step[0]["layout"] and joined["caps"] == same_step[0]["caps"]
+    assert joined["caps"][-1] == 15_000
+
+    reference, _, _ = replay(survivor + records(tmp_path, 1))
+    finals = [torch.load(os.path.join(tmp_path, f"replica{r}.pt")) for r in range(2)]
+    for final in finals:
+        assert max_error(final, reference) < TOLERANCE
+    assert max_error(finals[1], {n: t.double() for n, t in finals[0].items()}) == 0.0
