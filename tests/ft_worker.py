@@ -6,8 +6,9 @@ tests/test_fault_tolerance.py: run as a process by the test, which starts the Li
 Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
 <out>/replica<R>.log: one per step after should_commit (committed or not, participants, what the
 buckets did), then the final parameters to <out>/replica<R>.pt. The test replays the committed
-steps in float64 from these logs. `kill_step` (with `kill_in` = "backward"): the replica kills
-itself (SIGKILL, its own pid) in that step's backward once `kill_after_buckets` buckets went out.
+steps in float64 from these logs. `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
+its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
+"after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
 """
 import json
 import os
@@ -120,6 +121,7 @@ def main():
             time.sleep(0.01)
     kill_step = cfg.get("kill_step")
     healed_at = None
+    together = 0
     while True:
         if time.monotonic() > deadline:
             raise SystemExit(f"replica {replica}: gave up at step {manager.current_step()}")
@@ -136,26 +138,43 @@ def main():
         compute_end = []
         x.register_hook(lambda g: compute_end.append(time.perf_counter()))
         events.clear()
-        if kill_step is not None and step == kill_step and cfg.get("kill_in") == "backward":
+        kill_in = cfg.get("kill_in") if step == kill_step else None
+
+        def die(phase, contributed):
+            """SIGKILL of this process (its own pid) at `phase` of the step; `contributed`: all
+            its buckets were reduced (the others may commit the step with its gradients)."""
+            launched = sum(1 for e in events if e[0] == "launch")
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"killed": step, "replica": replica, "phase": phase,
+                                    "launched": launched, "contributed": contributed}) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        hooks = []
+        if kill_in == "forward":
+            hooks.append(model.module.b.register_forward_hook(lambda *_: die("forward", False)))
+        if kill_in == "backward":
             after = cfg.get("kill_after_buckets", 1)
 
             def kill_when_launched(grad):
-                launched = sum(1 for e in events if e[0] == "launch")
-                if launched >= after:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps({"killed": step, "launched": launched}) + "\n")
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if sum(1 for e in events if e[0] == "launch") >= after:
+                    die("backward", False)
                 return grad
 
-            model.module.a.weight.register_hook(kill_when_launched)  # late in backward
+            hooks.append(model.module.a.weight.register_hook(kill_when_launched))  # late
+        if kill_in == "step":
+            hooks.append(inner.register_step_pre_hook(lambda *_: die("step", True)))
         loss = loss_fn(model(x), y)
         loss.backward()
+        if kill_in == "after_backward":
+            die("after_backward", True)
         participants = manager.num_participants()
         participating = manager.is_participating()
         errored = manager.errored() is not None
         committed = manager.should_commit()
         if committed:
             inner.step()
+        for hook in hooks:
+            hook.remove()
         end = compute_end[0] if compute_end else float("nan")
         launches = {i: t for k, t, i in events if k == "launch"}
         dones = {i: t for k, t, i in events if k == "done"}
@@ -176,8 +195,11 @@ def main():
         }
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if committed and manager.current_step() >= cfg["steps"] and participants >= cfg.get(
-                "final_participants", 1):
+        # Ends after `steps` and `together` commits in a row with `final_participants`: every
+        # replica sees the same commits, so all end after the same step.
+        together = together + 1 if committed and participants >= cfg.get(
+            "final_participants", 1) else 0
+        if manager.current_step() >= cfg["steps"] and together >= cfg.get("together", 3):
             break
         time.sleep(cfg.get("pause_s", 0.0))
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()},
