@@ -21,7 +21,12 @@ import pytest
 pytest.importorskip("torchft", reason="torchft is not installed (pip install .[ft])")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft.work import _DummyWork  # noqa: E402
+
+import fused_reducer.torchft as ft  # noqa: E402
+from fused_reducer.errors import FusedReducerError  # noqa: E402
 
 import ft_worker  # noqa: E402
 
@@ -35,6 +40,90 @@ def lighthouse():
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
     yield server.address()
     server.shutdown()
+
+
+class LocalManager:
+    """What the adapter calls on a Manager, for one replica alone (no Lighthouse): every
+    all-reduce is torchft's completed work of a replica on its own."""
+    _use_async_quorum = False
+
+    def allreduce(self, tensor, reduce_op=None):
+        return _DummyWork(tensor)
+
+    def num_participants(self):
+        return 1
+
+
+@pytest.fixture
+def own_group():
+    """A one-rank gloo group in this process (a replica group of one), removed afterwards."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def train_locally(model, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = ft_worker.batch(step, 0)
+        ft_worker.loss_fn(model(x), y).backward()
+
+
+def test_healing_state_gives_a_fresh_replica_the_live_layout(own_group):
+    """reducer_state of a replica that rebuilt (after its first step, then for a new cap) makes
+    a fresh replica's next forward build exactly that layout; the limits alone would not (this
+    model's ready order is not its reverse registration order)."""
+    live = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                      process_group=own_group, first_bucket_mb=0.004,
+                                      bucket_cap_mb=0.04)
+    train_locally(live, 2)
+    live.bucket_cap_bytes = 15_000
+    train_locally(live, 1, first_step=2)
+    state = ft.reducer_state(live)
+    assert state["bucket_caps_bytes"][-1] == 15_000
+
+    limits_only = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                             process_group=own_group)
+    limits_only.bucket_caps_bytes = state["bucket_caps_bytes"]
+    train_locally(limits_only, 1)
+    assert limits_only.bucket_parameter_names() != live.bucket_parameter_names()
+
+    joining = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                         process_group=own_group)
+    ft.load_reducer_state(joining, state)
+    train_locally(joining, 1)  # the forward rebuilds, and checks the result
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    assert joining.bucket_caps_bytes == live.bucket_caps_bytes
+    train_locally(joining, 1, first_step=1)  # no rebuild after its first step: kept
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    for model in (live, limits_only, joining):
+        model.close()
+
+
+def test_refused_under_a_changing_quorum(own_group):
+    async_manager = LocalManager()
+    async_manager._use_async_quorum = True
+    with pytest.raises(FusedReducerError, match="use_async_quorum=False"):
+        ft.DistributedDataParallel(async_manager, ft_worker.make_model(), process_group=own_group)
+    with pytest.raises(FusedReducerError, match="autotune is refused"):
+        ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                   process_group=own_group, autotune=True)
+    model = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                       process_group=own_group)
+    with pytest.raises(FusedReducerError, match="another communication hook"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    state = ft.reducer_state(model)
+    state["layout_order"] = state["layout_order"][:-1] + ["not.a.parameter"]
+    with pytest.raises(FusedReducerError, match="other parameters"):
+        ft.load_reducer_state(model, state)
+    count = len(list(model.parameters()))
+    with pytest.raises(RuntimeError, match="out of range .* or repeated"):
+        ft._reducer_of(model).request_rebuild_from_order([0] * count)
+    with pytest.raises(RuntimeError, match=f"expected {count} parameter indices"):
+        ft._reducer_of(model).request_rebuild_from_order([0])
+    model.close()
 
 
 def start(out, replica, lighthouse, **cfg):
