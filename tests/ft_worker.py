@@ -88,11 +88,23 @@ def main():
         use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10), init_sync=False)
 
-    model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
-                                       bucket_cap_mb=0.04)
-    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    fused = cfg.get("reducer", "fused_reducer") == "fused_reducer"
+    if fused:
+        model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
+                                           bucket_cap_mb=0.04)
+        inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        manager.register_state_dict_fn("fused_reducer", *ft.state_dict_fns(model, inner))
+    else:  # torchft's own DDP, for comparison (bench/, the report)
+        model = torchft.DistributedDataParallel(manager, make_model())
+        inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def load(state):
+            model.module.load_state_dict(state["model"])
+            inner.load_state_dict(state["optimizer"])
+
+        manager.register_state_dict_fn("ddp", load, lambda: {
+            "model": model.module.state_dict(), "optimizer": inner.state_dict()})
     optimizer = ft.Optimizer(manager, inner)
-    manager.register_state_dict_fn("fused_reducer", *ft.state_dict_fns(model, inner))
 
     # What each bucket did this step: when it went to the Manager, when its reduction
     # completed, and when backward computed each gradient meanwhile.
@@ -130,7 +142,7 @@ def main():
         if healed_at is None and cfg.get("restarted"):
             healed_at = step
         limits = limits_at(step)
-        if limits:
+        if limits and fused:
             for name, value in limits.items():
                 setattr(model, name, value)
         x, y = batch(step, replica)
@@ -190,7 +202,8 @@ def main():
             "launched_before_end": sum(t < end for t in launches.values()),
             "done_before_end": sum(t < end for t in dones.values()),
             "overlapped": overlapped,
-            "layout": model.bucket_parameter_names(), "caps": model.bucket_caps_bytes,
+            "layout": model.bucket_parameter_names() if fused else None,
+            "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
         }
         with open(log_path, "a") as f:
@@ -204,7 +217,8 @@ def main():
         time.sleep(cfg.get("pause_s", 0.0))
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()},
                os.path.join(out_dir, f"replica{replica}.pt"))
-    model.close()
+    if fused:
+        model.close()
     manager.shutdown(wait=False)
     store = None
     os._exit(0)  # torchft's threads (quorum, timeouts) are not joined at exit
