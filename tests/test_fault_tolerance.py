@@ -314,3 +314,49 @@ def test_killed_replica_survivor_goes_on_and_restarted_replica_heals(tmp_path, l
     for final in finals:
         assert max_error(final, reference) < TOLERANCE
     assert max_error(finals[1], {n: t.double() for n, t in finals[0].items()}) == 0.0
+
+
+def test_stopped_replica_is_dropped_within_the_timeout(tmp_path, lighthouse):
+    """Replica 1 stops answering (SIGSTOP, by pid, from here) while training: replica 0 never
+    hangs: a step in flight fails at the Manager's timeout (not committed), the next quorum
+    leaves replica 1 out, and replica 0 goes on alone in the same process."""
+    timeout_s = 5
+    procs = start_together(tmp_path, lighthouse, {
+        r: dict(steps=10_000, final_participants=2, timeout_s=timeout_s)
+        for r in range(2)})
+    deadline = time.monotonic() + WAIT_S
+    try:
+        while len([rec for rec in records_or_none(tmp_path, 0) if rec["participants"] == 2]) < 3:
+            assert time.monotonic() < deadline - 60, "the replicas did not train together"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        while not any(rec["commit"] and rec["participants"] == 1
+                      for rec in records_or_none(tmp_path, 0)):
+            assert procs[0].poll() is None, "the survivor died"
+            assert time.time() - stopped_at < 4 * timeout_s, "the survivor did not go on alone"
+            time.sleep(0.05)
+        alone_at = time.time()
+        survivor = records(tmp_path, 0)
+        assert len({rec["pid"] for rec in survivor}) == 1
+        first_alone = next(i for i, rec in enumerate(survivor)
+                           if rec["commit"] and rec["participants"] == 1)
+        # Stopped between steps: the next quorum forms without it once the Lighthouse misses its
+        # heartbeats; stopped in a step: that step fails (not committed) at the timeout first.
+        failed = [rec for rec in survivor[:first_alone] if not rec["commit"]]
+        assert all(rec["errored"] for rec in failed), survivor[first_alone - 2:]
+        assert alone_at - stopped_at < 3 * timeout_s, alone_at - stopped_at
+        print(f"stopped replica dropped: first commit alone {alone_at - stopped_at:.1f} s after "
+              f"SIGSTOP, {len(failed)} step(s) failed meanwhile")
+    finally:
+        for proc in procs.values():  # only the processes this test started, by pid
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+
+
+def records_or_none(out, replica):
+    try:
+        return [rec for rec in records(out, replica) if "step" in rec]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
