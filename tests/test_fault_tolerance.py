@@ -114,6 +114,9 @@ def test_refused_under_a_changing_quorum(own_group):
                                        process_group=own_group)
     with pytest.raises(FusedReducerError, match="another communication hook"):
         model.register_comm_hook(None, lambda state, bucket: None)
+    from fused_reducer import ShardedOptimizer
+    with pytest.raises(FusedReducerError, match="fused_reducer.torchft.Optimizer"):
+        ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     state = ft.reducer_state(model)
     state["layout_order"] = state["layout_order"][:-1] + ["not.a.parameter"]
     with pytest.raises(FusedReducerError, match="other parameters"):

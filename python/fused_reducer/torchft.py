@@ -187,6 +187,17 @@ class DistributedDataParallel(FusedReducer):
                     f"the live replica's: {got} != {expected}")
         return out
 
+    def _use_sharded_optimizer(self, optimizer):
+        # The wrapper's entry for a ShardedOptimizer (reached through its attachment): to be
+        # wired to the new attachment on merge; the only wrapper internal overridden here.
+        raise FusedReducerError(
+            "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
+            "its shards would span torchft replica groups, whose membership changes at every "
+            "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
+            "group receives whole-model state). Use a plain optimizer wrapped in "
+            "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
+            "whole optimizer state, and healing copies it.")
+
     def register_comm_hook(self, state, hook):
         if getattr(self, "_comm_hook", None) is not None or hook is not fault_tolerant_hook:
             raise FusedReducerError(
