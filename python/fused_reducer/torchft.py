@@ -53,6 +53,9 @@ def _import_torchft():
 _torchft = _import_torchft()
 from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
 
+__all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
+           "state_dict_fns", "reducer_state", "load_reducer_state"]
+
 Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
 OptimizerWrapper = Optimizer
 
