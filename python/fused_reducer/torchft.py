@@ -202,12 +202,13 @@ class DistributedDataParallel(FusedReducer):
             "whole optimizer state, and healing copies it.")
 
     def register_comm_hook(self, state, hook):
-        if getattr(self, "_comm_hook", None) is not None or hook is not fault_tolerant_hook:
+        if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
             raise FusedReducerError(
                 "fused_reducer.torchft.DistributedDataParallel reduces every bucket through the "
                 "Manager's fault-tolerant all-reduce; another communication hook cannot be "
                 "registered")
         super().register_comm_hook(state, hook)
+        self._ft_hook_registered = True
 
 
 # -- the state a healing replica receives ----------------------------------------------------------
