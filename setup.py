@@ -2,7 +2,7 @@
 CUDA/NCCL) extension.
 
     pip install --no-build-isolation .      # fast path: uses the torch already installed
-    pip install --no-build-isolation ".[bench]"   # extras: bench, hf, lightning, test
+    pip install --no-build-isolation ".[bench]"   # extras: bench, hf, lightning, ft, test
 
 The torch version compiled against is written to python/fused_reducer/_build_torch.py (checked
 at import).
@@ -159,7 +159,10 @@ setup(
         "bench": ["torchvision==0.29.1", "transformers"],  # torchvision 0.29.x pairs with torch 2.14
         # fused_reducer.accelerate / fused_reducer.transformers; tested with these versions.
         "hf": ["accelerate>=1.16", "transformers>=5.25"],
+        # fused_reducer.torchft (fault-tolerant replica groups); it reads torchft's Manager and
+        # managed work at this version (docs/FAULT_TOLERANCE.md).
+        "ft": ["torchft==0.2.0"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "numpy", "matplotlib", "pytorch-lightning",
-                 "accelerate", "transformers"],
+                 "accelerate", "transformers", "torchft==0.2.0"],
     },
 )

@@ -121,6 +121,11 @@ class Reducer {
   void set_reduce_dtype(std::optional<at::ScalarType> dtype);
   std::optional<at::ScalarType> reduce_dtype() const;
   void request_rebuild();
+  // Rebuild at the next prepare_forward from `order` (each parameter index once) instead of
+  // the observed ready order, and count the first step's rebuild as done: a replica joining
+  // others mid-training (fused_reducer.torchft) lays its buckets out as they do before its
+  // first step. The order also stands in for an observed one until a backward observes one.
+  void request_rebuild_from_order(std::vector<int64_t> order);
 
   // no_sync(): hooks do nothing; gradients accumulate in param.grad and the
   // next synchronised backward reduces the accumulated sum.

@@ -89,6 +89,22 @@ void Reducer::request_rebuild() {
   rebuild_pending_ = true;
 }
 
+void Reducer::request_rebuild_from_order(std::vector<int64_t> order) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto n = static_cast<int64_t>(params_.size());
+  TORCH_CHECK(static_cast<int64_t>(order.size()) == n, "request_rebuild_from_order: expected ",
+              n, " parameter indices (each once), got ", order.size());
+  std::vector<char> seen(params_.size(), 0);
+  for (int64_t index : order) {
+    TORCH_CHECK(index >= 0 && index < n && !seen[index], "request_rebuild_from_order: index ",
+                index, " is out of range [0, ", n, ") or repeated");
+    seen[index] = 1;
+  }
+  last_ready_order_ = std::move(order);
+  rebuilt_after_first_step_ = true;
+  rebuild_pending_ = true;
+}
+
 void Reducer::set_sync_enabled(bool enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_enabled_ = enabled;

@@ -22,17 +22,18 @@ if ! $PY -c "import pybind11, ninja, pytest, hypothesis, numpy, matplotlib, setu
   echo "setup: installing build and test tools"
   $PY -m pip install -q pybind11 ninja pytest hypothesis numpy matplotlib setuptools wheel
 fi
-# The optional extras the tests and benchmarks use (setup.py: test, lightning, bench, hf); torch==2.14.1
+# The optional extras the tests and benchmarks use (setup.py: test, lightning, bench, hf, ft); torch==2.14.1
 # in the same command so that no dependency can swap torch (torchvision 0.29.1 pairs with it).
 # transformers and accelerate at the versions docs/INTEGRATIONS.md's "Hugging Face" section names as tested
-# (fused_reducer.transformers/.accelerate check their non-public hook points against them).
+# (fused_reducer.transformers/.accelerate check their non-public hook points against them);
+# torchft 0.2.0 (the ft extra: fused_reducer.torchft reads its Manager's managed work at that version).
 if ! $PY -c "import importlib.metadata as m, sys
-pins = {'torchvision': '0.29.1', 'transformers': '5.25.0', 'accelerate': '1.16.0'}
+pins = {'torchvision': '0.29.1', 'transformers': '5.25.0', 'accelerate': '1.16.0', 'torchft': '0.2.0'}
 sys.exit(any(m.version(k) != v for k, v in pins.items())
          or not all(map(m.version, ['pytest-timeout', 'pytorch-lightning'])))" 2>/dev/null; then
-  echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers, accelerate"
+  echo "setup: installing pytest-timeout, pytorch-lightning, torchvision, transformers, accelerate, torchft"
   $PY -m pip install -q torch==2.14.1 pytest-timeout pytorch-lightning torchvision==0.29.1 \
-    transformers==5.25.0 accelerate==1.16.0
+    transformers==5.25.0 accelerate==1.16.0 torchft==0.2.0
 fi
 
 # Rebuild only when a source file changed (the build takes a few minutes).

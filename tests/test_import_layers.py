@@ -21,11 +21,11 @@ PACKAGE = pathlib.Path(fused_reducer.__file__).parent
 MAX_CHAIN = 6  # modules in the longest import chain
 # The root: the base (errors, settings, build info; _build_torch.py is written by setup.py) and
 # the entry points of docs/API.md, "Modules".
-ENTRY_POINTS = ("accelerate", "lightning", "pipelining", "plan", "transformers")
+ENTRY_POINTS = ("accelerate", "lightning", "pipelining", "plan", "torchft", "transformers")
 BASE = {"__init__", "build", "errors", "settings"}
 # The extras an entry point needs (any one of them), as docs/INSTALL.md names them.
 EXTRAS = {"accelerate": ("accelerate",), "transformers": ("transformers",),
-          "lightning": ("pytorch_lightning", "lightning")}
+          "lightning": ("pytorch_lightning", "lightning"), "torchft": ("torchft",)}
 
 
 def _dotted(path):

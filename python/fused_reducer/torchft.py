@@ -1,0 +1,279 @@
+"""FusedReducer as the reducer of torchft replica groups (fault-tolerant data parallelism).
+
+    import torchft
+    from fused_reducer.torchft import DistributedDataParallel, Optimizer, state_dict_fns
+
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1,
+                              use_async_quorum=False, load_state_dict=None, state_dict=None, ...)
+    model = DistributedDataParallel(manager, module, first_bucket_mb=1)   # was torchft's DDP
+    optimizer = Optimizer(manager, torch.optim.AdamW(model.parameters()))
+    manager.register_state_dict_fn("fused_reducer", *state_dict_fns(model, optimizer))
+
+``DistributedDataParallel(manager, module, **kwargs)`` mirrors ``torchft.DistributedDataParallel``
+and takes FusedReducer's keywords. Each bucket goes through ``manager.allreduce`` (a SUM over
+the quorum's replica groups divided by the number of participants; a healing replica contributes
+zeros) as soon as it is complete, while backward goes on; the reducer waits for the buckets once,
+at the end of backward (torchft's DDP waits inside the hook, bucket by bucket). An error in any
+bucket is swallowed and recorded by the Manager: every later bucket of the step is left
+unreduced, and ``should_commit()`` returns False, so the optimizer wrapper skips the step.
+
+``Optimizer`` is torchft's own wrapper (``torchft.Optimizer``): it only calls
+``manager.start_quorum()`` in ``zero_grad()`` and ``manager.should_commit()`` before ``step()``,
+whatever the model is.
+
+The bucket layout must be the same on every replica group at every step, rebuilds included:
+``state_dict_fns(model, optimizer)`` gives the (load_state_dict, state_dict) pair for the
+Manager; the state a healing replica receives carries the model, the optimizer, the reducer's
+limits (``bucket_caps_bytes``, ``last_bucket_bytes``, ``reduce_dtype``) and the parameter order
+of the layout in force, and loading it makes the next forward rebuild exactly that layout.
+
+This slice: replica groups of one rank (the FusedReducer's process group is the replica's own
+one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is applied before the
+forward, so the healing replica's first backward already has the others' layout).
+See docs/FAULT_TOLERANCE.md.
+"""
+import torch
+import torch.distributed as dist
+
+from .core.wrapper import FusedReducer
+from .errors import FusedReducerError
+
+_EXTRA_HINT = ("pip install fused_reducer[ft] (or: pip install --no-build-isolation .[ft] from a "
+               "checkout), which installs torchft==0.2.0")
+
+
+def _import_torchft():
+    try:
+        import torchft
+    except ImportError as e:
+        raise ImportError(f"fused_reducer.torchft needs torchft: {_EXTRA_HINT}") from e
+    return torchft
+
+
+_torchft = _import_torchft()
+from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
+
+__all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
+           "state_dict_fns", "reducer_state", "load_reducer_state"]
+
+Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
+OptimizerWrapper = Optimizer
+
+# Keywords refused: each would let replicas change their layout or reduction on their own.
+_REFUSED = {
+    "autotune": "the autotuner changes the bucket limits from this replica's own timings, so "
+                "replica groups would lay out their buckets differently; set the limits "
+                "explicitly (first_bucket_mb, bucket_cap_mb, last_bucket_mb)",
+    "skip_all_reduce_unused_params": "which parameters are skipped is decided from one "
+                                     "replica's first step and is not carried to a healing one",
+    "bucket_cap_mb_list": "not supported here yet: pass bucket_cap_mb / first_bucket_mb "
+                          "(bucket_caps_bytes can be set after construction)",
+}
+
+
+def _torchft_async_quorum(manager):
+    """Whether `manager` runs its quorum asynchronously (torchft keeps the flag private)."""
+    return bool(getattr(manager, "_use_async_quorum", True))
+
+
+def _reducer_of(model):
+    """The C++ reducer of `model` (internal: to be read from the wrapper's attachment once it
+    exposes the reducer; the only use of a wrapper internal in this module)."""
+    reducer = model.__dict__.get("_reducer")
+    if reducer is None:
+        raise FusedReducerError("fused_reducer.torchft: the model's reducer is closed")
+    return reducer
+
+
+def _own_group(process_group):
+    """The replica's one-rank process group (the FusedReducer reduces nothing inside it)."""
+    if process_group is not None:
+        group = process_group
+    elif dist.is_initialized():
+        group = dist.group.WORLD
+    else:
+        # The replica group's own world of one: nothing to rendezvous with.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.group.WORLD
+    if dist.get_world_size(group) != 1:
+        raise NotImplementedError(
+            "fused_reducer.torchft.DistributedDataParallel: replica groups of more than one rank "
+            f"(this process group has {dist.get_world_size(group)}) are not supported yet "
+            "(issue 47, part 2); run one rank per replica group")
+    return group
+
+
+def _collective_of(work):
+    """The process group's work inside a Manager work (torchft keeps it as ``_work``)."""
+    inner = getattr(work, "_work", None)
+    if inner is None:
+        raise FusedReducerError(
+            "fused_reducer.torchft: torchft's managed work does not hold its process group's "
+            f"work (this module reads torchft 0.2.0; installed: {_torchft_version()})")
+    return inner
+
+
+def _torchft_version():
+    try:
+        from importlib.metadata import version
+        return version("torchft")
+    except Exception:  # noqa: BLE001 - only for a message
+        return "unknown"
+
+
+def _managed_future(manager, work, tensor, participants):
+    """A torch Future of the averaged `tensor` for a Manager work, without waiting.
+
+    torchft 0.2.0's ``_ManagedWork`` builds its future chain (the division by the number of
+    participants, ``manager.wrap_future``'s timeout and error capture) only in ``wait()`` or
+    ``synchronize()``, and that chain assumes the collective has already completed: its
+    continuation reads a loop variable that has moved on by the time an incomplete collective
+    completes (the tail's callback is None: AssertionError in torchft/manager.py). So the
+    same chain is built here on the process group's work: SUM, divide by the step's number of
+    participants, then ``manager.wrap_future`` (public): a failure or a timeout is recorded
+    by the Manager (``should_commit()`` then returns False) and the future completes with the
+    unreduced buffer. After an error the Manager returns a ``_DummyWork``, already complete."""
+    if isinstance(work, _DummyWork):
+        return work.get_future()
+
+    def average(fut):
+        fut.value()  # raises the collective's error, for wrap_future to record
+        tensor.div_(participants)
+        return tensor
+
+    return manager.wrap_future(_collective_of(work).get_future().then(average), tensor)
+
+
+def fault_tolerant_hook(manager, bucket):
+    """The communication hook: the bucket through ``manager.allreduce`` (average over the step's
+    participants; zeros from a replica that is not participating), its future returned at once
+    so that the next buckets go out while backward continues."""
+    tensor = bucket.buffer()
+    work = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+    return _managed_future(manager, work, tensor, manager.num_participants())
+
+
+class DistributedDataParallel(FusedReducer):
+    """``torchft.DistributedDataParallel(manager, module)`` with FusedReducer as the reducer:
+    every keyword is FusedReducer's (``first_bucket_mb``, ``bucket_cap_mb``, ``last_bucket_mb``,
+    ``reduce_dtype``, ...). See the module's docstring."""
+
+    def __init__(self, manager, module, process_group=None, **kwargs):
+        for name, why in _REFUSED.items():
+            if kwargs.get(name):
+                raise FusedReducerError(
+                    f"fused_reducer.torchft.DistributedDataParallel: {name} is refused under a "
+                    f"changing quorum: {why}")
+        if _torchft_async_quorum(manager):
+            raise FusedReducerError(
+                "fused_reducer.torchft.DistributedDataParallel needs Manager(..., "
+                "use_async_quorum=False): with an asynchronous quorum a healing replica loads "
+                "the live state only in should_commit(), after a backward whose buckets were "
+                "laid out before the heal, so its collectives would not match the others'")
+        # Every replica initialises its own parameters; the Manager heals the differences
+        # (torchft's DDP too skips DDP's initial broadcast).
+        kwargs.setdefault("init_sync", False)
+        super().__init__(module, process_group=_own_group(process_group), **kwargs)
+        self.manager = manager
+        # The sender's bucket_parameter_names after a heal, checked by the next forward.
+        self.expected_layout = None
+        self.register_comm_hook(manager, fault_tolerant_hook)
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)  # applies a received layout (a rebuild)
+        if self.expected_layout is not None:
+            expected, self.expected_layout = self.expected_layout, None
+            got = [list(b) for b in self.bucket_parameter_names()]
+            if got != expected:
+                raise FusedReducerError(
+                    "fused_reducer.torchft: after healing, this replica's buckets differ from "
+                    f"the live replica's: {got} != {expected}")
+        return out
+
+    def _use_sharded_optimizer(self, optimizer):
+        # The wrapper's entry for a ShardedOptimizer (reached through its attachment): to be
+        # wired to the new attachment on merge; the only wrapper internal overridden here.
+        raise FusedReducerError(
+            "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
+            "its shards would span torchft replica groups, whose membership changes at every "
+            "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
+            "group receives whole-model state). Use a plain optimizer wrapped in "
+            "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
+            "whole optimizer state, and healing copies it.")
+
+    def register_comm_hook(self, state, hook):
+        if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
+            raise FusedReducerError(
+                "fused_reducer.torchft.DistributedDataParallel reduces every bucket through the "
+                "Manager's fault-tolerant all-reduce; another communication hook cannot be "
+                "registered")
+        super().register_comm_hook(state, hook)
+        self._ft_hook_registered = True
+
+
+# -- the state a healing replica receives ----------------------------------------------------------
+def reducer_state(model):
+    """What a replica joining at this step needs to lay out its buckets as `model` does: the
+    limits and the parameter order of the layout in force (by name) and the bucket parameter
+    names it must produce."""
+    reducer = _reducer_of(model)
+    order = [i for bucket in reducer.bucket_params() for i in bucket]
+    names = _param_names(model)
+    dtype = model.reduce_dtype
+    return {
+        "bucket_caps_bytes": list(model.bucket_caps_bytes),
+        "last_bucket_bytes": int(model.last_bucket_bytes),
+        "reduce_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "layout_order": [names[i] for i in order],
+        "bucket_parameter_names": [list(b) for b in model.bucket_parameter_names()],
+    }
+
+
+def _param_names(model):
+    """The reducer's parameter names in its index order (bucket_parameter_names' vocabulary)."""
+    reducer = _reducer_of(model)
+    by_index = {}
+    for bucket, names in zip(reducer.bucket_params(), model.bucket_parameter_names()):
+        for i, name in zip(bucket, names):
+            by_index[i] = name
+    return [by_index[i] for i in range(len(by_index))]
+
+
+def load_reducer_state(model, state):
+    """Apply `reducer_state` of a live replica: its limits and its layout take effect at the
+    next forward (one rebuild), so the next backward's buckets are the sender's."""
+    names = _param_names(model)
+    index = {name: i for i, name in enumerate(names)}
+    order = state["layout_order"]
+    if sorted(order) != sorted(names):
+        raise FusedReducerError(
+            "fused_reducer.torchft: the received layout names other parameters than this "
+            "model's; replica groups must train the same model")
+    model.bucket_caps_bytes = list(state["bucket_caps_bytes"])
+    model.last_bucket_bytes = int(state["last_bucket_bytes"])
+    dtype = state["reduce_dtype"]
+    model.reduce_dtype = None if dtype is None else getattr(torch, dtype)
+    _reducer_of(model).request_rebuild_from_order([index[n] for n in order])
+    model.expected_layout = [list(b) for b in state["bucket_parameter_names"]]
+
+
+def state_dict_fns(model, optimizer=None):
+    """For a fused_reducer.torchft.DistributedDataParallel `model`:
+    (load_state_dict, state_dict) for ``Manager(load_state_dict=..., state_dict=...)`` or
+    ``manager.register_state_dict_fn(key, ...)``: the model's parameters and buffers, the
+    optimizer's state and the reducer's limits and layout."""
+
+    def state_dict():
+        state = {"model": model.module.state_dict(), "reducer": reducer_state(model)}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        return state
+
+    def load_state_dict(state):
+        with torch.no_grad():
+            model.module.load_state_dict(state["model"])
+        if optimizer is not None and "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        load_reducer_state(model, state["reducer"])
+
+    return load_state_dict, state_dict

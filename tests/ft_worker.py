@@ -1,0 +1,228 @@
+"""One torchft replica group (one rank) training through fused_reducer.torchft, for
+tests/test_fault_tolerance.py: run as a process by the test, which starts the Lighthouse.
+
+    python tests/ft_worker.py CONFIG_JSON
+
+Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
+<out>/replica<R>.log: one per step after should_commit (committed or not, participants, what the
+buckets did), then the final parameters to <out>/replica<R>.pt. The test replays the committed
+steps in float64 from these logs. `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
+its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
+"after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
+"""
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+IN = 48
+HIDDEN = 96
+OUT = 8
+BATCH = 64
+LR = 0.05
+MOMENTUM = 0.9
+
+
+class Net(nn.Module):
+    """Layers registered in another order than forward uses them: the gradient-ready order then
+    differs from reverse registration order, so the layout rebuilt after the first step differs
+    from the initial one (what a healing replica must be given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Linear(HIDDEN, HIDDEN)
+        self.a = nn.Linear(IN, HIDDEN)
+        self.d = nn.Linear(HIDDEN, OUT)
+        self.b = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def batch(step, replica, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    x = torch.randn(BATCH, IN, generator=g)
+    y = torch.randn(BATCH, OUT, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def limits_at(step):
+    """The bucket limits every replica sets before the forward of `step` (changed while
+    training, so a replica healing later must receive them)."""
+    if step == 2:
+        return {"bucket_cap_bytes": 15_000}
+    return None
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    replica = cfg["replica"]
+    out_dir = cfg["out"]
+    log_path = os.path.join(out_dir, f"replica{replica}.log")
+
+    import torchft
+    from torchft import Manager, ProcessGroupGloo
+    import fused_reducer.torchft as ft
+
+    timeout = timedelta(seconds=cfg.get("timeout_s", 10))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
+        load_state_dict=None, state_dict=None,
+        replica_id=f"replica_{replica}", lighthouse_addr=cfg["lighthouse"],
+        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10), init_sync=False)
+
+    fused = cfg.get("reducer", "fused_reducer") == "fused_reducer"
+    if fused:
+        model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
+                                           bucket_cap_mb=0.04)
+        inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        manager.register_state_dict_fn("fused_reducer", *ft.state_dict_fns(model, inner))
+    else:  # torchft's own DDP, for comparison (bench/, the report)
+        model = torchft.DistributedDataParallel(manager, make_model())
+        inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def load(state):
+            model.module.load_state_dict(state["model"])
+            inner.load_state_dict(state["optimizer"])
+
+        manager.register_state_dict_fn("ddp", load, lambda: {
+            "model": model.module.state_dict(), "optimizer": inner.state_dict()})
+    optimizer = ft.Optimizer(manager, inner)
+
+    # What each bucket did this step: when it went to the Manager, when its reduction
+    # completed, and when backward computed each gradient meanwhile.
+    events = []
+    original_future = ft._managed_future
+
+    def timed_future(*args):
+        index = sum(1 for e in events if e[0] == "launch")
+        events.append(("launch", time.perf_counter(), index))
+        fut = original_future(*args)
+        fut.add_done_callback(lambda _: events.append(("done", time.perf_counter(), index)))
+        return fut
+
+    for p in model.module.parameters():
+        p.register_hook(lambda g: events.append(("ready", time.perf_counter(), None)))
+    ft._managed_future = timed_future  # the hook looks it up at each call
+
+    deadline = time.monotonic() + cfg.get("max_s", 120)
+    if cfg.get("go"):
+        # Start together: a replica whose first quorum request comes before the other's Manager
+        # heartbeats forms a quorum of one and trains alone until the next quorum.
+        open(os.path.join(out_dir, f"ready{replica}"), "w").close()
+        while not os.path.exists(cfg["go"]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"replica {replica}: no go within max_s")
+            time.sleep(0.01)
+    kill_step = cfg.get("kill_step")
+    healed_at = None
+    together = 0
+    while True:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replica {replica}: gave up at step {manager.current_step()}")
+        optimizer.zero_grad()  # the quorum (and a heal) happens here
+        step = manager.current_step()
+        if healed_at is None and cfg.get("restarted"):
+            healed_at = step
+        limits = limits_at(step)
+        if limits and fused:
+            for name, value in limits.items():
+                setattr(model, name, value)
+        x, y = batch(step, replica)
+        x.requires_grad_(True)
+        compute_end = []
+        x.register_hook(lambda g: compute_end.append(time.perf_counter()))
+        events.clear()
+        kill_in = cfg.get("kill_in") if step == kill_step else None
+
+        def die(phase, contributed):
+            """SIGKILL of this process (its own pid) at `phase` of the step; `contributed`: all
+            its buckets were reduced (the others may commit the step with its gradients)."""
+            launched = sum(1 for e in events if e[0] == "launch")
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"killed": step, "replica": replica, "phase": phase,
+                                    "launched": launched, "contributed": contributed}) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        hooks = []
+        if kill_in == "forward":
+            hooks.append(model.module.b.register_forward_hook(lambda *_: die("forward", False)))
+        if kill_in == "backward":
+            after = cfg.get("kill_after_buckets", 1)
+
+            def kill_when_launched(grad):
+                if sum(1 for e in events if e[0] == "launch") >= after:
+                    die("backward", False)
+                return grad
+
+            hooks.append(model.module.a.weight.register_hook(kill_when_launched))  # late
+        if kill_in == "step":
+            hooks.append(inner.register_step_pre_hook(lambda *_: die("step", True)))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if kill_in == "after_backward":
+            die("after_backward", True)
+        participants = manager.num_participants()
+        participating = manager.is_participating()
+        errored = manager.errored() is not None
+        committed = manager.should_commit()
+        if committed:
+            inner.step()
+        for hook in hooks:
+            hook.remove()
+        end = compute_end[0] if compute_end else float("nan")
+        launches = {i: t for k, t, i in events if k == "launch"}
+        dones = {i: t for k, t, i in events if k == "done"}
+        readies = [t for k, t, _ in events if k == "ready"]
+        # Buckets during whose reduction backward went on computing gradients (none if the
+        # hook waited for its bucket: backward runs on the thread that calls the hook).
+        overlapped = sum(1 for i, t in launches.items()
+                         if any(t < r < dones.get(i, float("inf")) for r in readies))
+        record = {
+            "replica": replica, "pid": os.getpid(), "step": step, "commit": committed,
+            "participants": participants, "participating": participating, "errored": errored,
+            "buckets": len(launches),
+            "launched_before_end": sum(t < end for t in launches.values()),
+            "done_before_end": sum(t < end for t in dones.values()),
+            "overlapped": overlapped,
+            "layout": model.bucket_parameter_names() if fused else None,
+            "caps": model.bucket_caps_bytes if fused else None,
+            "healed_at": healed_at,
+        }
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        # Ends after `steps` and `together` commits in a row with `final_participants`: every
+        # replica sees the same commits, so all end after the same step.
+        together = together + 1 if committed and participants >= cfg.get(
+            "final_participants", 1) else 0
+        if manager.current_step() >= cfg["steps"] and together >= cfg.get("together", 3):
+            break
+        time.sleep(cfg.get("pause_s", 0.0))
+    torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()},
+               os.path.join(out_dir, f"replica{replica}.pt"))
+    if fused:
+        model.close()
+    manager.shutdown(wait=False)
+    store = None
+    os._exit(0)  # torchft's threads (quorum, timeouts) are not joined at exit
+
+
+if __name__ == "__main__":
+    main()

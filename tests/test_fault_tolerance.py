@@ -1,0 +1,365 @@
+"""fused_reducer.torchft: FusedReducer as the reducer of torchft replica groups (issue 47).
+
+Replicas are processes (tests/ft_worker.py, one rank each, gloo on 127.0.0.1) around a Lighthouse
+started in this process (torchft._torchft.LighthouseServer). Each replica logs every step (the
+step, whether it committed, the participants, what its buckets did) and writes its final
+parameters; the test replays the committed steps in float64 on one process (the global batch of
+each step: the participants' batches, their gradients averaged) and compares.
+
+Bounded: every replica gives up after `max_s`, the test waits for it at most WAIT_S, and kills
+only the processes it started (by pid) if they outlive that.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install .[ft])")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft.work import _DummyWork  # noqa: E402
+
+import fused_reducer.torchft as ft  # noqa: E402
+from fused_reducer.errors import FusedReducerError  # noqa: E402
+
+import ft_worker  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WAIT_S = 150
+TOLERANCE = 1e-5
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
+    yield server.address()
+    server.shutdown()
+
+
+class LocalManager:
+    """What the adapter calls on a Manager, for one replica alone (no Lighthouse): every
+    all-reduce is torchft's completed work of a replica on its own."""
+    _use_async_quorum = False
+
+    def allreduce(self, tensor, reduce_op=None):
+        return _DummyWork(tensor)
+
+    def num_participants(self):
+        return 1
+
+
+@pytest.fixture
+def own_group():
+    """A one-rank gloo group in this process (a replica group of one), removed afterwards."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def train_locally(model, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = ft_worker.batch(step, 0)
+        ft_worker.loss_fn(model(x), y).backward()
+
+
+def test_healing_state_gives_a_fresh_replica_the_live_layout(own_group):
+    """reducer_state of a replica that rebuilt (after its first step, then for a new cap) makes
+    a fresh replica's next forward build exactly that layout; the limits alone would not (this
+    model's ready order is not its reverse registration order)."""
+    live = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                      process_group=own_group, first_bucket_mb=0.004,
+                                      bucket_cap_mb=0.04)
+    train_locally(live, 2)
+    live.bucket_cap_bytes = 15_000
+    train_locally(live, 1, first_step=2)
+    state = ft.reducer_state(live)
+    assert state["bucket_caps_bytes"][-1] == 15_000
+
+    limits_only = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                             process_group=own_group)
+    limits_only.bucket_caps_bytes = state["bucket_caps_bytes"]
+    train_locally(limits_only, 1)
+    assert limits_only.bucket_parameter_names() != live.bucket_parameter_names()
+
+    joining = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                         process_group=own_group)
+    ft.load_reducer_state(joining, state)
+    train_locally(joining, 1)  # the forward rebuilds, and checks the result
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    assert joining.bucket_caps_bytes == live.bucket_caps_bytes
+    train_locally(joining, 1, first_step=1)  # no rebuild after its first step: kept
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    for model in (live, limits_only, joining):
+        model.close()
+
+
+def test_refused_under_a_changing_quorum(own_group):
+    async_manager = LocalManager()
+    async_manager._use_async_quorum = True
+    with pytest.raises(FusedReducerError, match="use_async_quorum=False"):
+        ft.DistributedDataParallel(async_manager, ft_worker.make_model(), process_group=own_group)
+    with pytest.raises(FusedReducerError, match="autotune is refused"):
+        ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                   process_group=own_group, autotune=True)
+    model = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                       process_group=own_group)
+    with pytest.raises(FusedReducerError, match="another communication hook"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    from fused_reducer import ShardedOptimizer
+    with pytest.raises(FusedReducerError, match="fused_reducer.torchft.Optimizer"):
+        ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    state = ft.reducer_state(model)
+    state["layout_order"] = state["layout_order"][:-1] + ["not.a.parameter"]
+    with pytest.raises(FusedReducerError, match="other parameters"):
+        ft.load_reducer_state(model, state)
+    count = len(list(model.parameters()))
+    with pytest.raises(RuntimeError, match="out of range .* or repeated"):
+        ft._reducer_of(model).request_rebuild_from_order([0] * count)
+    with pytest.raises(RuntimeError, match=f"expected {count} parameter indices"):
+        ft._reducer_of(model).request_rebuild_from_order([0])
+    model.close()
+
+
+def start(out, replica, lighthouse, **cfg):
+    cfg = dict(replica=replica, out=str(out), lighthouse=lighthouse, max_s=WAIT_S - 30, **cfg)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(HERE), "python"), HERE, os.environ.get("PYTHONPATH", "")]))
+    log = open(os.path.join(out, f"replica{replica}.out"), "ab")
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "ft_worker.py"), json.dumps(cfg)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_together(out, lighthouse, configs):
+    """Start the replicas of `configs` ({replica: cfg}) and let them train once every Manager
+    is up (heartbeating), so that the first quorum has them all."""
+    go = os.path.join(out, "go")
+    procs = {r: start(out, r, lighthouse, go=go, **cfg) for r, cfg in configs.items()}
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in configs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+            wait_all(procs, out, time.monotonic())
+            pytest.fail("a replica did not get ready within 60 s")
+        time.sleep(0.05)
+    open(go, "w").close()
+    return procs
+
+
+def wait_all(procs, out, deadline):
+    """Exit codes of `procs` ({replica: Popen}); kills (by pid) any still running at `deadline`."""
+    codes = {}
+    for replica, proc in procs.items():
+        try:
+            codes[replica] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            codes[replica] = "hung"
+    if any(c != 0 for c in codes.values()):
+        tails = {r: open(os.path.join(out, f"replica{r}.out"), errors="replace").read()[-3000:]
+                 for r in procs}
+        pytest.fail(f"replicas ended with {codes}; output tails:\n" +
+                    "\n".join(f"--- replica {r}\n{t}" for r, t in tails.items()))
+    return codes
+
+
+def records(out, replica):
+    path = os.path.join(out, f"replica{replica}.log")
+    return [json.loads(line) for line in open(path)]
+
+
+def replay(all_records):
+    """Float64 parameters after the committed steps: at each, the participants' batches, their
+    gradients averaged, torch's SGD with momentum. Checks that every committed step's set of
+    committing replicas has as many members as the Manager counted participants (a replica that
+    contributed and is not in the log would otherwise go unnoticed). A replica killed after all
+    its buckets were reduced counts for the step if the others committed it."""
+    committed, counts = {}, {}
+    for rec in all_records:
+        if rec.get("commit"):
+            committed.setdefault(rec["step"], set()).add(rec["replica"])
+            counts.setdefault(rec["step"], set()).add(rec["participants"])
+    for rec in all_records:  # killed after its gradients all went out: in if the step was
+        if rec.get("contributed") and rec["killed"] in committed:
+            committed[rec["killed"]].add(rec["replica"])
+    steps = sorted(committed)
+    assert steps == list(range(len(steps))), f"committed steps are not 0..n-1: {steps}"
+    model = ft_worker.make_model(torch.float64)
+    params = list(model.parameters())
+    buffers = None
+    for step in steps:
+        who = sorted(committed[step])
+        assert counts[step] == {len(who)}, (step, who, counts[step])
+        grads = [torch.zeros_like(p) for p in params]
+        for replica in who:
+            model.zero_grad()
+            x, y = ft_worker.batch(step, replica, torch.float64)
+            ft_worker.loss_fn(model(x), y).backward()
+            for g, p in zip(grads, params):
+                g += p.grad / len(who)
+        with torch.no_grad():
+            if buffers is None:
+                buffers = [g.clone() for g in grads]
+            else:
+                for b, g in zip(buffers, grads):
+                    b.mul_(ft_worker.MOMENTUM).add_(g)
+            for p, b in zip(params, buffers):
+                p -= ft_worker.LR * b
+    return dict(model.named_parameters()), steps, committed
+
+
+def max_error(final, reference):
+    return max((final[n].double() - reference[n]).abs().max().item() for n in reference)
+
+
+def test_two_replicas_match_float64_and_overlap(tmp_path, lighthouse):
+    """Two replicas, no failure: every step commits with both, the parameters equal the float64
+    model trained on the global batch, the buckets go out during backward and the hook returns
+    before its bucket is reduced: backward goes on meanwhile (the reducer waits once, at the end
+    of backward)."""
+    steps = 6
+    procs = start_together(tmp_path, lighthouse,
+                           {r: dict(steps=steps, final_participants=2) for r in range(2)})
+    wait_all(procs, tmp_path, time.monotonic() + WAIT_S)
+    recs = {r: records(tmp_path, r) for r in range(2)}
+    reference, committed_steps, committed = replay(recs[0] + recs[1])
+    # Both started together: every step both took part (none alone, none skipped).
+    assert all(len(committed[s]) == 2 for s in committed_steps), committed
+    assert all(rec["commit"] and rec["participants"] == 2 for r in recs for rec in recs[r])
+    for r in range(2):
+        final = torch.load(os.path.join(tmp_path, f"replica{r}.pt"))
+        assert max_error(final, reference) < TOLERANCE
+    # The layout: rebuilt after the first step (not the initial one), then by the limits of
+    # step 2, the same on both replicas at every step.
+    layouts = [[rec["layout"] for rec in recs[r]] for r in range(2)]
+    assert layouts[0] == layouts[1]
+    assert layouts[0][0] != layouts[0][1] and layouts[0][1] != layouts[0][2], layouts[0][:3]
+    for r in range(2):
+        for rec in recs[r]:
+            assert rec["buckets"] == len(rec["layout"])
+            # Every bucket but the one holding the last gradients went out before backward's
+            # computation ended.
+            assert rec["launched_before_end"] >= rec["buckets"] - 1, rec
+    # Asynchronous: backward computed gradients while buckets were being reduced (never, if the
+    # hook waited for its bucket: backward runs on the thread that calls the hook).
+    # (Only one replica overlaps in a step, often: the later one finds its peer's data there.)
+    overlapped = [[rec["overlapped"] for rec in recs[r]] for r in range(2)]
+    assert sum(map(sum, overlapped)) >= steps // 2, overlapped
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "after_backward", "step"])
+def test_killed_replica_survivor_goes_on_and_restarted_replica_heals(tmp_path, lighthouse, phase):
+    """Replica 1 is SIGKILLed (its own pid) at `phase` of step 3 (in its forward; in its
+    backward with a bucket already sent to the Manager; after backward, before should_commit;
+    in the optimizer step): replica 0 keeps training in the same process and never applies a
+    partial average (killed before its gradients all went out: that step is not committed;
+    after: committed with them or not at all), trains alone meanwhile; replica 1 restarted heals
+    from replica 0's live state (model, optimizer, the bucket limits changed at step 2 and the
+    rebuilt layout, step counter) and joins; both end equal to the float64 replay of the
+    committed steps and to each other."""
+    kill_step, steps = 3, 10
+    procs = start_together(tmp_path, lighthouse, {
+        0: dict(steps=steps, final_participants=2, pause_s=0.05),
+        1: dict(steps=steps, final_participants=2, kill_step=kill_step, kill_in=phase,
+                kill_after_buckets=1)})
+    deadline = time.monotonic() + WAIT_S
+    try:
+        code = procs[1].wait(timeout=WAIT_S / 2)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == -signal.SIGKILL, f"replica 1 was to kill itself in {phase}, ended with {code}"
+    killed = [rec for rec in records(tmp_path, 1) if "killed" in rec]
+    assert killed and killed[0]["killed"] == kill_step and killed[0]["phase"] == phase, killed
+    if phase == "backward":
+        assert 1 <= killed[0]["launched"] < 3, killed  # buckets in flight, not all launched
+    first_pid = procs[1].pid
+    # Restart only once the survivor has committed a step alone: it goes on without restarting
+    # while the peer is down (the Lighthouse drops the dead replica at its heartbeat timeout).
+    while not any(rec.get("commit") and rec["participants"] == 1
+                  for rec in records(tmp_path, 0)):
+        if time.monotonic() > deadline - 60 or procs[0].poll() is not None:
+            wait_all({0: procs[0]}, tmp_path, time.monotonic())
+            pytest.fail("the survivor did not commit a step alone")
+        time.sleep(0.1)
+    procs[1] = start(tmp_path, 1, lighthouse, steps=steps, final_participants=2, restarted=True,
+                     pause_s=0.05)
+    wait_all(procs, tmp_path, deadline)
+
+    survivor = records(tmp_path, 0)
+    assert len({rec["pid"] for rec in survivor}) == 1  # never restarted
+    at_kill = [rec for rec in survivor if rec["step"] == kill_step][0]
+    if phase in ("forward", "backward"):
+        assert not at_kill["commit"] and at_kill["errored"], at_kill
+    else:  # its gradients had all gone out: the step is committed with them, or skipped
+        assert (at_kill["commit"] and at_kill["participants"] == 2) or \
+            (not at_kill["commit"] and at_kill["errored"]), at_kill
+    restarted = [rec for rec in records(tmp_path, 1) if "step" in rec and rec["pid"] != first_pid]
+    joined = restarted[0]
+    assert joined["healed_at"] >= kill_step and joined["step"] == joined["healed_at"]
+    assert joined["participants"] == 2
+    # Its first step, already with the survivor's layout and limits (set at step 2, before it
+    # started): they came with the live state.
+    same_step = [rec for rec in survivor if rec["step"] == joined["step"] and rec["commit"]]
+    assert same_step and same_step[0]["participants"] == 2
+    assert joined["layout"] == same_step[0]["layout"] and joined["caps"] == same_step[0]["caps"]
+    assert joined["caps"][-1] == 15_000
+
+    reference, _, _ = replay(survivor + records(tmp_path, 1))
+    finals = [torch.load(os.path.join(tmp_path, f"replica{r}.pt")) for r in range(2)]
+    for final in finals:
+        assert max_error(final, reference) < TOLERANCE
+    assert max_error(finals[1], {n: t.double() for n, t in finals[0].items()}) == 0.0
+
+
+def test_stopped_replica_is_dropped_within_the_timeout(tmp_path, lighthouse):
+    """Replica 1 stops answering (SIGSTOP, by pid, from here) while training: replica 0 never
+    hangs: a step in flight fails at the Manager's timeout (not committed), the next quorum
+    leaves replica 1 out, and replica 0 goes on alone in the same process."""
+    timeout_s = 5
+    procs = start_together(tmp_path, lighthouse, {
+        r: dict(steps=10_000, final_participants=2, timeout_s=timeout_s)
+        for r in range(2)})
+    deadline = time.monotonic() + WAIT_S
+    try:
+        while len([rec for rec in records_or_none(tmp_path, 0) if rec["participants"] == 2]) < 3:
+            assert time.monotonic() < deadline - 60, "the replicas did not train together"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        while not any(rec["commit"] and rec["participants"] == 1
+                      for rec in records_or_none(tmp_path, 0)):
+            assert procs[0].poll() is None, "the survivor died"
+            assert time.time() - stopped_at < 4 * timeout_s, "the survivor did not go on alone"
+            time.sleep(0.05)
+        alone_at = time.time()
+        survivor = records(tmp_path, 0)
+        assert len({rec["pid"] for rec in survivor}) == 1
+        first_alone = next(i for i, rec in enumerate(survivor)
+                           if rec["commit"] and rec["participants"] == 1)
+        # Stopped between steps: the next quorum forms without it once the Lighthouse misses its
+        # heartbeats; stopped in a step: that step fails (not committed) at the timeout first.
+        failed = [rec for rec in survivor[:first_alone] if not rec["commit"]]
+        assert all(rec["errored"] for rec in failed), survivor[first_alone - 2:]
+        assert alone_at - stopped_at < 3 * timeout_s, alone_at - stopped_at
+        print(f"stopped replica dropped: first commit alone {alone_at - stopped_at:.1f} s after "
+              f"SIGSTOP, {len(failed)} step(s) failed meanwhile")
+    finally:
+        for proc in procs.values():  # only the processes this test started, by pid
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+
+
+def records_or_none(out, replica):
+    try:
+        return [rec for rec in records(out, replica) if "step" in rec]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
