@@ -77,12 +77,11 @@ def _torchft_async_quorum(manager):
 
 
 def _reducer_of(model):
-    """The C++ reducer of `model` (internal: to be read from the wrapper's attachment once it
-    exposes the reducer; the only use of a wrapper internal in this module)."""
-    reducer = model.__dict__.get("_reducer")
-    if reducer is None:
+    """The C++ reducer of `model`, through its attachment."""
+    attachment = model.attachment
+    if attachment is None:
         raise FusedReducerError("fused_reducer.torchft: the model's reducer is closed")
-    return reducer
+    return attachment.reducer
 
 
 def _own_group(process_group):
@@ -158,6 +157,14 @@ class DistributedDataParallel(FusedReducer):
     every keyword is FusedReducer's (``first_bucket_mb``, ``bucket_cap_mb``, ``last_bucket_mb``,
     ``reduce_dtype``, ...). See the module's docstring."""
 
+    sharded_optimizer_refusal = (
+        "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
+        "its shards would span torchft replica groups, whose membership changes at every "
+        "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
+        "group receives whole-model state). Use a plain optimizer wrapped in "
+        "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
+        "whole optimizer state, and healing copies it.")
+
     def __init__(self, manager, module, process_group=None, **kwargs):
         for name, why in _REFUSED.items():
             if kwargs.get(name):
@@ -190,17 +197,6 @@ class DistributedDataParallel(FusedReducer):
                     f"the live replica's: {got} != {expected}")
         return out
 
-    def _use_sharded_optimizer(self, optimizer):
-        # The wrapper's entry for a ShardedOptimizer (reached through its attachment): to be
-        # wired to the new attachment on merge; the only wrapper internal overridden here.
-        raise FusedReducerError(
-            "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
-            "its shards would span torchft replica groups, whose membership changes at every "
-            "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
-            "group receives whole-model state). Use a plain optimizer wrapped in "
-            "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
-            "whole optimizer state, and healing copies it.")
-
     def register_comm_hook(self, state, hook):
         if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
             raise FusedReducerError(
@@ -231,12 +227,8 @@ def reducer_state(model):
 
 def _param_names(model):
     """The reducer's parameter names in its index order (bucket_parameter_names' vocabulary)."""
-    reducer = _reducer_of(model)
-    by_index = {}
-    for bucket, names in zip(reducer.bucket_params(), model.bucket_parameter_names()):
-        for i, name in zip(bucket, names):
-            by_index[i] = name
-    return [by_index[i] for i in range(len(by_index))]
+    _reducer_of(model)  # raises if closed
+    return model.attachment.param_names
 
 
 def load_reducer_state(model, state):

@@ -41,7 +41,7 @@ class Attachment:
     (the DTensor parameters' bookkeeping, false for a model without them)."""
 
     def __init__(self, module, config, group, device, named, *, init_sync, init_sync_buffers,
-                 hook_registered=False, sharded=False, trace_steps=100):
+                 hook_registered=False, sharded=False, trace_steps=100, sharding_refused=None):
         # hook_registered: a comm hook will be set (set_comm_hook), which picks the transport.
         self.module = module
         self.config = config
@@ -55,6 +55,7 @@ class Attachment:
         self.sharded = False  # a ShardedOptimizer reduce-scatters the buckets (Note [Sharded mode])
         self.tuner = None  # the forward observer autotune() starts (see core/plugins.py)
         self._sharded_optimizer = None  # weakly: the optimizer holds the model, not the reverse
+        self._sharding_refused = sharding_refused  # why no ShardedOptimizer may shard it, or None
 
         # Before any collective, so every rank refuses alike: see Note [One NCCL communicator].
         request = one_communicator_backend(config.backend, device, module, group,
@@ -160,6 +161,8 @@ class Attachment:
         """A ShardedOptimizer was constructed for this model: reduce-scatter from the next
         forward on (Note [Sharded mode] in ext/reducer.cpp). Collective in effect: every rank
         constructs it."""
+        if self._sharding_refused is not None:
+            raise FusedReducerError(self._sharding_refused)
         if self.tuner is not None and self.tuner.state != "done":
             raise FusedReducerError(
                 "ShardedOptimizer: autotune is still measuring with all-reduce; construct the "

@@ -72,6 +72,10 @@ class FusedReducer(nn.Module, Joinable, Reports):
     """
 
 
+    # Why a ShardedOptimizer cannot be used with this class (a subclass that reduces across
+    # replicas that come and go says so here), or None.
+    sharded_optimizer_refusal = None
+
     def __init__(self, module, process_group=None, bucket_cap_mb=None, first_bucket_mb=None,
                  gradient_as_bucket_view=False, find_unused_parameters=False,
                  broadcast_buffers=None, backend="auto", timeout=None,
@@ -166,6 +170,7 @@ class FusedReducer(nn.Module, Joinable, Reports):
             self.module, self._config, self.process_group, self.device, named,
             init_sync=self.init_sync, init_sync_buffers=self._init_sync_buffers,
             hook_registered=self._comm_hook is not None, sharded=self._attach_sharded,
+            sharding_refused=self.sharded_optimizer_refusal,
             trace_steps=self._trace_steps)
         if self._comm_hook is not None:
             self._attachment.set_comm_hook(bucket_launcher(*self._comm_hook,
