@@ -20,6 +20,13 @@ behaviour (equivalent) does not belong here; replace it with one that can.
 REDUCER_CPP = "ext/reducer.cpp"
 REDUCER_PY = "python/fused_reducer/core/wrapper.py"
 VALIDATION_PY = "python/fused_reducer/core/validation.py"
+ATTACHMENT_PY = "python/fused_reducer/core/attachment.py"
+ARMING_PY = "python/fused_reducer/core/backward_arming.py"
+CONFIG_PY = "python/fused_reducer/core/config.py"
+COPIES_PY = "python/fused_reducer/core/copies.py"
+MODULE_STATES_PY = "python/fused_reducer/core/module_states.py"
+NORMS_PY = "python/fused_reducer/core/norms.py"
+REPORTS_PY = "python/fused_reducer/core/reports.py"
 BUFFERS = "tests/test_buffers.py::"
 CLOSE = "tests/test_close.py::"
 COPIES = "tests/test_pickle_and_copy.py::"
@@ -233,8 +240,8 @@ MUTATIONS = [
     dict(
         id="step-ends-with-the-nested-backward",
         file=REDUCER_PY,
-        edits=[("        find_unused = self.find_unused_parameters and synced",
-                "        find_unused = False")],
+        edits=[("                find_unused=self.find_unused_parameters and self._require_forward_param_sync,",
+                "                find_unused=False,")],
         why="find_unused_parameters decides unused parameters when the first backward with a "
             "hook ends: with reentrant checkpointing of the last layer that is the nested "
             "backward, and every rank gets the same wrong gradients (issue 19: 79 % off)",
@@ -290,9 +297,9 @@ MUTATIONS = [
     ),
     dict(
         id="broadcast-buffers-false-ignored",
-        file=REDUCER_PY,
-        edits=[("        return self.forward_sync_buffers and self._require_forward_param_sync and any(",
-                "        return self._require_forward_param_sync and any(")],
+        file=MODULE_STATES_PY,
+        edits=[("    return model.forward_sync_buffers and model.require_forward_param_sync and any(",
+                "    return model.require_forward_param_sync and any(")],
         why="broadcast_buffers=False is ignored: BatchNorm running stats are overwritten with "
             "rank 0's before every forward",
         tests=[BUFFERS + "test_buffer_broadcast_rules_match_ddp"],
@@ -320,8 +327,8 @@ MUTATIONS = [
     ),
     dict(
         id="timeout-not-passed-to-reducer",
-        file=REDUCER_PY,
-        edits=[("        options.timeout_seconds = self._timeout_s\n",
+        file=CONFIG_PY,
+        edits=[("        options.timeout_seconds = timeout_s\n",
                 "        options.timeout_seconds = 600.0\n")],
         why="timeout= reaches the transport but not the C++ reducer: its waits use the default "
             "10 minutes",
@@ -329,7 +336,7 @@ MUTATIONS = [
     ),
     dict(
         id="version-counter-bumped",
-        file=REDUCER_PY,
+        file=ATTACHMENT_PY,
         edits=[("        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):",
                 "        if True:")],
         why="the buffer broadcast before a second forward bumps the buffers' version counters: "
@@ -339,19 +346,21 @@ MUTATIONS = [
     ),
     dict(
         id="pickle-keeps-process-group",
-        file=REDUCER_PY,
-        edits=[('        for transient in ("process_group", "_reducer", "_transport", "_tuner", '
-                '"_control_device",',
-                '        for transient in ("_reducer", "_transport", "_tuner", "_control_device",')],
+        file=COPIES_PY,
+        edits=[('TRANSIENT = ("process_group", "_attachment", "_arming", "_closed")',
+                'TRANSIENT = ("_attachment", "_arming", "_closed")')],
         why="pickling/deepcopy keeps the process group: torch.save(model) or copy.deepcopy fail "
             "(a ProcessGroup cannot be pickled), or the copy reuses a group it does not own",
         tests=[COPIES + "test_pickled_and_deep_copied_models_train_like_ddp"],
     ),
     dict(
         id="close-not-idempotent",
+        # The wrapper drops its attachment at close(), so a second close() is made harmless
+        # by the wrapper's guard (Attachment.close's own guard is reached only by a second
+        # close of one attachment, which nothing does): the guard is planted out there.
         file=REDUCER_PY,
-        edits=[("        if transport is not None:\n            transport.close(min(self._timeout_s, 10.0))",
-                "        transport.close(min(self._timeout_s, 10.0))")],
+        edits=[("        if attachment is not None:\n            attachment.close()",
+                "        attachment.close()")],
         why="the second close() (or the atexit/GC one after an explicit close) raises "
             "AttributeError on the released transport",
         tests=[CLOSE + "test_close_is_idempotent_and_final"],
@@ -359,16 +368,17 @@ MUTATIONS = [
     dict(
         id="closed-model-reattaches",
         file=REDUCER_PY,
-        edits=[("        self._closed = True\n        reducer, transport =",
-                "        reducer, transport =")],
+        edits=[("        self._closed = True\n        attachment, self._attachment =",
+                "        attachment, self._attachment =")],
         why="a closed model silently re-attaches at the next forward (as after unpickling) "
             "instead of refusing: close() is not final",
         tests=[CLOSE + "test_close_is_idempotent_and_final"],
     ),
     dict(
         id="trace-steps-not-shrinking",
-        file=REDUCER_PY,
-        edits=[("        if self._reducer is not None:\n            self._reducer.set_trace_capacity(steps)",
+        file=REPORTS_PY,
+        edits=[("        if self.attachment is not None:\n"
+                "            self.attachment.reducer.set_trace_capacity(steps)",
                 "        pass")],
         why="setting trace_steps does not reach the C++ ring: step_history() keeps growing to "
             "the old capacity",
@@ -470,7 +480,7 @@ MUTATIONS = [
         id="autotune-step-times-not-agreed",
         file="python/fused_reducer/tuning/autotune.py",
         edits=[("        agreed = control_allreduce(times, dist.ReduceOp.MAX, self.group,\n"
-                "                                   self.model._attachment.control_device)\n",
+                "                                   self.model.attachment.control_device)\n",
                 "        agreed = list(times)\n")],
         why="step times are not the slowest rank's: each rank ranks candidates on its own "
             "timings, so the ranks' decisions can differ",
@@ -480,7 +490,7 @@ MUTATIONS = [
     dict(
         id="profile-agreement-on-cpu",
         file="python/fused_reducer/tuning/profile.py",
-        edits=[("    control = model._attachment.control_device\n", "    control = \"cpu\"\n")],
+        edits=[("    control = model.attachment.control_device\n", "    control = \"cpu\"\n")],
         why="export_profile stages its agreements on CPU tensors whatever the group: a plain "
             "NCCL group refuses them, so recording a profile fails on every GPU cluster",
         tests=[PLAN + "test_profile_round_trip"],
@@ -689,16 +699,16 @@ MUTATIONS = [
     ),
     dict(
         id="pickle-swaps-first-and-cap",
-        file=REDUCER_PY,
-        edits=[('state["_limits"] = (self.bucket_caps_bytes, self.last_bucket_bytes)',
-                'state["_limits"] = (self.bucket_caps_bytes[::-1], self.last_bucket_bytes)')],
+        file=COPIES_PY,
+        edits=[("            reducer.bucket_caps_bytes, reducer.last_bucket_bytes,",
+                "            list(reducer.bucket_caps_bytes)[::-1], reducer.last_bucket_bytes,")],
         why="pickling or deepcopy reverses the list of limits (swaps the first bucket and the cap): the copy trains with other limits than the original",
         tests=[COPIES + "test_pickle_and_deepcopy_keep_first_cap_last_and_reduce_dtype"],
     ),
     dict(
         id="join-forgets-buffer-sync-rule",
         file="python/fused_reducer/core/join.py",
-        edits=[("        model._attachment.set_forward_param_sync(should_sync)\n",
+        edits=[("        model.require_forward_param_sync = should_sync\n",
                 "")],
         why="join with no_sync accumulation: a joined rank forgets whether the others' forward synchronised, so the BatchNorm buffer broadcasts of joined and training ranks differ from DDP's",
         tests=[JOIN + "test_join_with_no_sync_accumulation_and_batchnorm_matches_ddp_join"],
@@ -811,8 +821,8 @@ MUTATIONS = [
     ),
     dict(
         id="init-sync-false-ignored",
-        file=REDUCER_PY,
-        edits=[('        if getattr(self, "init_sync", True):', "        if True:")],
+        file=ATTACHMENT_PY,
+        edits=[("        if init_sync:\n", "        if True:\n")],
         why="init_sync=False still broadcasts rank 0's parameters at construction: rank-local initialisations are overwritten where DDP keeps them",
         tests=["tests/test_ddp_arguments.py::test_init_sync_false_keeps_rank_local_parameters_like_ddp"],
     ),
@@ -973,9 +983,9 @@ MUTATIONS = [
     ),
     dict(
         id="clip-from-copy-forgets-the-max",
-        file=REDUCER_PY,
-        edits=[("        return torch.tensor(max_abs, dtype=torch.float64)",
-                "        return torch.tensor(sum_abs, dtype=torch.float64)")],
+        file=NORMS_PY,
+        edits=[("    return torch.tensor(max_abs, dtype=torch.float64)",
+                "    return torch.tensor(sum_abs, dtype=torch.float64)")],
         why="model.clip_grad_norm_(norm_type=inf) from the copy returns the 1-norm",
         tests=["tests/test_health.py::test_clip_grad_norm_every_norm_type_below_and_above_max_norm_equals_torch_under_ddp[world2]"],
     ),
@@ -989,8 +999,8 @@ MUTATIONS = [
     ),
     dict(
         id="second-backward-of-one-forward-stays-local",
-        file=REDUCER_PY,
-        edits=[("            if synced and (first[0] or wrapper._syncing):",
+        file=ARMING_PY,
+        edits=[("            if synced and (first[0] or model.require_backward_grad_sync):",
                 "            if synced and first[0]:")],
         why="backward(retain_graph=True) twice after one forward: the second backward is not "
             "reduced, as under DDP, so param.grad = avg(g) + local g differs across ranks and the "
@@ -1000,8 +1010,8 @@ MUTATIONS = [
     ),
     dict(
         id="second-backward-inside-no-sync-reduced",
-        file=REDUCER_PY,
-        edits=[("            if synced and (first[0] or wrapper._syncing):",
+        file=ARMING_PY,
+        edits=[("            if synced and (first[0] or model.require_backward_grad_sync):",
                 "            if synced:")],
         why="a second backward of one forward run inside no_sync() is reduced anyway: the "
             "gradient the user asked to keep local is averaged",
@@ -1011,7 +1021,7 @@ MUTATIONS = [
     dict(
         id="model-wrapped-twice-accepted",
         file=REDUCER_PY,
-        edits=[("        _refuse_wrapped_twice(module, FusedReducer)\n", "")],
+        edits=[("        refuse_wrapped_twice(module, FusedReducer)\n", "")],
         why="FusedReducer(FusedReducer(m)) or FusedReducer(DDP(m)) is accepted: each wrapper "
             "reduces every gradient, twice the traffic per step, no word",
         tests=["tests/test_errors.py::test_a_model_wrapped_twice_is_refused_naming_the_inner_wrapper"],

@@ -64,7 +64,7 @@ MUTATIONS = [
     dict(
         id="profile-names-all-parameters",
         file=PROFILE,
-        edits=[("zip(model._attachment.param_names, info.sizes, info.groups, ready)",
+        edits=[("zip(model.attachment.param_names, info.sizes, info.groups, ready)",
                 "zip([n for n, _ in model.module.named_parameters()], info.sizes, info.groups, "
                 "ready)")],
         why="names paired from all the module's parameters while sizes are the reduced ones: "

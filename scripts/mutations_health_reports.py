@@ -78,7 +78,7 @@ MUTATIONS = [
 MUTATIONS += [
     dict(
         id="straggler-measured-only-when-every-rank-is",
-        file="python/fused_reducer/core/wrapper.py",
+        file="python/fused_reducer/core/reports.py",
         edits=[('report["measured"] = any(v is not None for v in report["lateness_ms"])',
                 'report["measured"] = all(v is not None for v in report["lateness_ms"])')],
         why="a report with a joined rank (uneven inputs under join) says nothing was measured, "

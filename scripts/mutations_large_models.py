@@ -7,7 +7,7 @@ tests/test_pipeline_parallel.py and tests/test_3d_parallel.py.
 """
 
 TP_PY = "python/fused_reducer/core/tensor_parallel.py"
-WRAPPER_PY = "python/fused_reducer/core/wrapper.py"
+ARMING_PY = "python/fused_reducer/core/backward_arming.py"
 PIPELINING_PY = "python/fused_reducer/pipelining.py"
 AUTOTUNE_PY = "python/fused_reducer/tuning/autotune.py"
 TP = "tests/test_tensor_parallel.py::"
@@ -46,9 +46,9 @@ MUTATIONS = [
     ),
     dict(
         id="several-forwards-arm-not-renewed",
-        file=WRAPPER_PY,
-        edits=[("        if self._armed():\n            return\n        if self._sharded:",
-                "        if True:\n            return\n        if self._sharded:")],
+        file=ARMING_PY,
+        edits=[("        if self.armed(reducer):\n            return\n        if attachment.sharded:",
+                "        if True:\n            return\n        if attachment.sharded:")],
         why="a second backward of forwards run outside no_sync() stays local as under DDP: "
             "param.grad = avg(g1) + g2, silently wrong",
         tests=[FB + "test_several_forwards_before_backwards_match_the_float64_global_batch[gpipe]"],
@@ -102,7 +102,7 @@ MUTATIONS = [
     dict(
         id="split-backward-dtensor-grads-not-republished",
         file=PIPELINING_PY,
-        edits=[("        self.submod._attachment.publish_gradients()\n\n    def _leaves",
+        edits=[("        self.submod.attachment.publish_gradients()\n\n    def _leaves",
                 "\n    def _leaves")],
         why="after a weight half the DTensor parameters' .grad still views the old (or no) "
             "local gradient: the next forward's hand-over back to the leaves drops what the "
@@ -160,8 +160,8 @@ MUTATIONS = [
     dict(
         id="split-backward-find-unused-zeros-into-the-dtensor-parameters",
         file=PIPELINING_PY,
-        edits=[("            reduced = self.submod._attachment.params[::-1]",
-                "            reduced = self.submod._attachment.module_params[::-1]")],
+        edits=[("            reduced = self.submod.attachment.params[::-1]",
+                "            reduced = self.submod.attachment.module_params[::-1]")],
         why="with find_unused_parameters REDUCE_GRAD's backward of zeros goes into the module's "
             "DTensor parameters, not the reducer's leaves: no gradient hook fires, the split "
             "stages' weight gradients are never averaged and the DP ranks diverge",

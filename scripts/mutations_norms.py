@@ -5,7 +5,7 @@ must be) and the ShardedOptimizer's norm (dtype and value); tests in tests/test_
 """
 
 REDUCER_CPP = "ext/reducer.cpp"
-REDUCER_PY = "python/fused_reducer/core/wrapper.py"
+NORMS_PY = "python/fused_reducer/core/norms.py"
 SHARDED_PY = "python/fused_reducer/sharded/optimizer.py"
 N = "tests/test_grad_norm.py::"
 
@@ -13,9 +13,11 @@ MUTATIONS = [
     # -- Python: FusedReducer.grad_norm ------------------------------------------------------------
     dict(
         id="norm-fallback-count-at-least",
-        file=REDUCER_PY,
-        edits=[("        total = from_copy if len(grads) == self._reduced_grads() else None",
-                "        total = from_copy if len(grads) >= self._reduced_grads() else None")],
+        # gradient_norm falls back to torch's unless the counts agree: `!=` made `<` is the
+        # old `==` made `>=` (the copy used whenever len(grads) >= the reduced count).
+        file=NORMS_PY,
+        edits=[("    if from_copy is None or len(grads) != _reduced_grads(attachment):",
+                "    if from_copy is None or len(grads) < _reduced_grads(attachment):")],
         why="the fallback compares the counts with >= ('every reduced gradient is there'): a "
             "frozen or DDP-ignored parameter holding a .grad is then left out of the norm "
             "(torch's clip over model.parameters() counts it), and clip_grad_norm_ scales by "
@@ -24,9 +26,9 @@ MUTATIONS = [
     ),
     dict(
         id="norm-reduced-grads-counted-over-module",
-        file=REDUCER_PY,
-        edits=[("        return sum(p.grad is not None for p in self._params)",
-                "        return sum(p.grad is not None for p in self.module.parameters())")],
+        file=NORMS_PY,
+        edits=[("    return sum(p.grad is not None for p in attachment.params)",
+                "    return sum(p.grad is not None for p in attachment.module.parameters())")],
         why="_reduced_grads counts the gradients of every module parameter instead of the "
             "reduced ones: the counts always agree, so a frozen or ignored parameter's .grad "
             "is silently missing from the norm",
@@ -34,7 +36,7 @@ MUTATIONS = [
     ),
     dict(
         id="norm-dtype-of-the-first-grad",
-        file=REDUCER_PY,
+        file=NORMS_PY,
         edits=[("    return functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads))",
                 "    return grads[0].dtype.to_real()")],
         why="the norm from the copy is returned in the first gradient's dtype: a model whose "
