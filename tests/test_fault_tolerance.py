@@ -131,8 +131,9 @@ def test_refused_under_a_changing_quorum(own_group):
 
 def start(out, replica, lighthouse, **cfg):
     cfg = dict(replica=replica, out=str(out), lighthouse=lighthouse, max_s=WAIT_S - 30, **cfg)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(HERE), "python"), HERE, os.environ.get("PYTHONPATH", "")]))
+    # The package the tests import (installed, or the checkout's python/ on PYTHONPATH), and
+    # the tests' own helpers.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     log = open(os.path.join(out, f"replica{replica}.out"), "ab")
     return subprocess.Popen([sys.executable, os.path.join(HERE, "ft_worker.py"), json.dumps(cfg)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
