@@ -57,7 +57,7 @@ class SwappedBranches(nn.Module):
 
 def wrap(kind, module, **kwargs):
     """DDP, or FusedReducer with DDP's 1 MiB first bucket (always FusedReducer: these checks use
-    its own API, so DROPIN_FR_IS_DDP, which checks the side-by-side files, does not apply)."""
+    its own API, so FUSED_TESTS_AGAINST_DDP, which checks the side-by-side files, does not apply)."""
     if kind == "ddp":
         return ddp(module, **kwargs)
     from fused_reducer import FusedReducer

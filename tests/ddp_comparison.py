@@ -9,7 +9,7 @@ No tests here. Every scenario of the side-by-side files runs the same user loop 
 ranks, once under torch's DistributedDataParallel and once under FusedReducer, and compares what
 the user sees (parameters, gradients, buffers, exceptions).
 
-Checking the tests themselves: with DROPIN_FR_IS_DDP=1 in the environment, `fused()` builds a
+Checking the tests themselves: with FUSED_TESTS_AGAINST_DDP=1 in the environment, `fused()` builds a
 DDP instead of a FusedReducer (FusedReducer-only keyword arguments dropped), so every
 DDP-vs-FusedReducer comparison becomes DDP-vs-DDP and must pass; the checks of FusedReducer-only
 behaviour (static_graph refused, create_graph, timeout naming the bucket, step_history,
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-FR_IS_DDP = os.environ.get("DROPIN_FR_IS_DDP", "") == "1"
+FR_IS_DDP = os.environ.get("FUSED_TESTS_AGAINST_DDP", "") == "1"
 TOL = 1e-5
 LR = 0.05
 D_IN, HIDDEN, D_OUT = 8, 16, 4

@@ -4,7 +4,7 @@ arguments, autocast, gradient clipping, SyncBatchNorm (GPU).
 
 Each check runs the same user loop under DDP and under FusedReducer on 2 gloo ranks and returns
 the differences; all checks share one spawn (a spawn costs seconds). Helpers and models:
-ddp_comparison.py (DROPIN_FR_IS_DDP=1 turns the FusedReducer side into DDP, to check the tests).
+ddp_comparison.py (FUSED_TESTS_AGAINST_DDP=1 turns the FusedReducer side into DDP, to check the tests).
 """
 import io
 
