@@ -5,8 +5,9 @@ tests/test_fault_tolerance.py: run as a process by the test, which starts the Li
 
 Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
 <out>/replica<R>.log: one per step after should_commit (committed or not, participants, what the
-buckets did), then the final parameters to <out>/replica<R>.pt. The test replays the committed
-steps in float64 from these logs. `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
+buckets did, how many heals this process received, the time), then the final parameters to
+<out>/replica<R>.pt. tests/ft_common.py starts replicas and replays the committed steps in
+float64 from these logs (for the test and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
 its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
 "after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
 """
@@ -89,11 +90,18 @@ def main():
         connect_timeout=timedelta(seconds=10), init_sync=False)
 
     fused = cfg.get("reducer", "fused_reducer") == "fused_reducer"
+    heals = []
     if fused:
         model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
                                            bucket_cap_mb=0.04)
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        manager.register_state_dict_fn("fused_reducer", *ft.state_dict_fns(model, inner))
+        load, save = ft.state_dict_fns(model, inner)
+
+        def counted_load(state):  # how many times this replica healed (in its records)
+            heals.append(manager.current_step())
+            load(state)
+
+        manager.register_state_dict_fn("fused_reducer", counted_load, save)
     else:  # torchft's own DDP, for comparison (bench/, the report)
         model = torchft.DistributedDataParallel(manager, make_model())
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -158,7 +166,8 @@ def main():
             launched = sum(1 for e in events if e[0] == "launch")
             with open(log_path, "a") as f:
                 f.write(json.dumps({"killed": step, "replica": replica, "phase": phase,
-                                    "launched": launched, "contributed": contributed}) + "\n")
+                                    "launched": launched, "contributed": contributed,
+                                    "time": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
         hooks = []
@@ -205,6 +214,8 @@ def main():
             "layout": model.bucket_parameter_names() if fused else None,
             "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
+            "heals": len(heals),
+            "time": time.time(),
         }
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
