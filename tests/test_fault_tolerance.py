@@ -12,6 +12,7 @@ only the processes it started (by pid) if they outlive that.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -262,3 +263,17 @@ def test_stopped_replica_is_dropped_within_the_timeout(tmp_path, lighthouse):
                 proc.wait()
 
 
+
+def test_train_ft_example_heals_and_ends_identical():
+    """examples/train_ft.py end to end: replica 1 SIGKILLed in a backward, restarted, healed;
+    both replicas end with identical parameters (the example exits 1 otherwise)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "train_ft.py"),
+                           "--steps", "16", "--kill-step", "5", "--restart-delay-s", "1"],
+                          env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "replica 1 (pid" in proc.stdout and "ended with -9" in proc.stdout, proc.stdout
+    assert "replica 1 (restarted): healed to step" in proc.stdout, proc.stdout
+    assert "identical parameters: True" in proc.stdout, proc.stdout
