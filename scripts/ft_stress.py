@@ -13,12 +13,14 @@ A run: a Lighthouse in this process, --replicas replicas of tests/ft_worker.py s
   step            inside the optimizer step (after should_commit)
   timer           from a timer thread here, a random time into training (anywhere: a quorum, a
                   collective, a heal, between steps)
+(a timer that fires after the victim finished is a missed kill, counted apart, not a wrong run)
 then restarted with the same replica id after a random delay (0 to --restart-delay-max-s). A run is wrong unless
   - no replica hung (every run bounded by --run-timeout-s; a hang is killed and counted),
   - every survivor ran in one process to the end (same pid in all its records, exit code 0),
   - the victim died by SIGKILL in the chosen phase and its restart exited 0,
   - the restarted victim healed (received the live state, unless nothing was committed yet) and
     rejoined (committed a step with every replica),
+  - every replica of a committed step had the same bucket layout,
   - every replica's final parameters equal the float64 replay of the committed steps and their
     participants (ft_common.replay) within 1e-5.
 Prints a line per run and a summary; writes JSON (every run, the summary) to --out
@@ -67,7 +69,12 @@ def run_once(index, rng, args, out):
     lighthouse = ft_common.start_lighthouse()
     started = time.monotonic()
     deadline = started + args.run_timeout_s
-    procs = ft_common.start_together(out, lighthouse.address(), configs)
+    try:
+        procs = ft_common.start_together(out, lighthouse.address(), configs)
+    except AssertionError as e:
+        lighthouse.shutdown()
+        return dict(plan, problems=[f"did not start: {e}"], wrong=True, hung=False, missed=False,
+                    survivor_restarts=0, seconds=round(time.monotonic() - started, 1))
     try:
         first_pid = procs[victim].pid
         timer_kill = {}
@@ -87,7 +94,8 @@ def run_once(index, rng, args, out):
         if phase == "timer":
             timer.cancel()
         code = codes[victim]
-        if code != -signal.SIGKILL:
+        missed = phase == "timer" and code == 0  # it finished before the timer: no kill
+        if code != -signal.SIGKILL and not missed:
             problems.append(f"victim ended with {code}, not by SIGKILL")
         else:
             # Restarted with the same replica id, as torchelastic restarts a dead worker once
@@ -98,7 +106,7 @@ def run_once(index, rng, args, out):
         codes.update(ft_common.wait_all(procs, out, deadline, check=False))
     finally:
         lighthouse.shutdown()
-    result = dict(plan, codes={str(r): c for r, c in codes.items()},
+    result = dict(plan, codes={str(r): c for r, c in codes.items()}, missed=missed,
                   hung=any(c == "hung" for c in codes.values()),
                   seconds=round(time.monotonic() - started, 1))
     logs = {r: ft_common.records(out, r) if os.path.exists(os.path.join(out, f"replica{r}.log"))
@@ -119,7 +127,7 @@ def run_once(index, rng, args, out):
         if "time" in timer_kill:
             kills = [{"killed": None, "replica": victim, "phase": "timer", "contributed": None,
                       "time": timer_kill["time"]}]
-        elif not problems:
+        elif not problems and not missed:
             problems.append("the timer did not kill the victim")
     elif code == -signal.SIGKILL:
         if len(kills) != 1 or kills[0]["phase"] != phase or kills[0]["killed"] != plan["kill_step"]:
@@ -167,6 +175,15 @@ def run_once(index, rng, args, out):
             result["steps_alone"] = sum(1 for s in steps if len(committed[s]) < args.replicas)
             if result["max_error"] >= ft_common.TOLERANCE:
                 problems.append(f"parameters off the float64 replay: {errors}")
+            # Every replica of a committed step had the same bucket layout.
+            layouts = {}
+            for r in range(args.replicas):
+                for rec in logs[r]:
+                    if rec.get("commit"):
+                        layouts.setdefault(rec["step"], set()).add(json.dumps(rec["layout"]))
+            differing = sorted(s for s, seen in layouts.items() if len(seen) > 1)
+            if differing:
+                problems.append(f"bucket layouts differ between replicas at steps {differing}")
         except AssertionError as e:
             problems.append(f"replay: {e}")
     result["problems"] = problems
@@ -194,7 +211,7 @@ def main():
     parser.add_argument("--steps", type=int, default=12, help="steps each replica trains")
     parser.add_argument("--pause-s", type=float, default=0.05, help="pause between steps")
     parser.add_argument("--timeout-s", type=float, default=10, help="the Managers' timeout")
-    parser.add_argument("--timer-max-s", type=float, default=0.6,
+    parser.add_argument("--timer-max-s", type=float, default=0.4,
                         help="timer kills: at most this long after the victim's first step")
     parser.add_argument("--restart-delay-max-s", type=float, default=5.0,
                         help="the victim is restarted a random delay up to this after its death")
@@ -237,6 +254,7 @@ def main():
     summary = {
         "runs": len(results), "wrong": sum(r["wrong"] for r in results),
         "hangs": sum(r["hung"] for r in results),
+        "missed_timer_kills": sum(r["missed"] for r in results),
         "survivor_restarts": sum(r["survivor_restarts"] for r in results),
         "per_phase": per_phase, "replicas": args.replicas, "seed": args.seed,
         "median_kill_to_next_commit_s": median(r.get("kill_to_next_commit_s") for r in results),

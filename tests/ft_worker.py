@@ -141,7 +141,7 @@ def main():
             time.sleep(0.01)
     kill_step = cfg.get("kill_step")
     healed_at = None
-    together = 0
+    together, together_quorum = 0, None
     while True:
         if time.monotonic() > deadline:
             raise SystemExit(f"replica {replica}: gave up at step {manager.current_step()}")
@@ -215,14 +215,21 @@ def main():
             "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
             "heals": len(heals),
+            "quorum": manager._quorum_id,
             "time": time.time(),
         }
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        # Ends after `steps` and `together` commits in a row with `final_participants`: every
-        # replica sees the same commits, so all end after the same step.
-        together = together + 1 if committed and participants >= cfg.get(
-            "final_participants", 1) else 0
+        # Ends after `steps` and `together` commits in a row with `final_participants` in one
+        # quorum (torchft 0.2.0's Lighthouse id, bumped when the membership changes): every
+        # replica sees the same commits and quorums, a restarted one included, so all end after
+        # the same step.
+        quorum = manager._quorum_id
+        if committed and participants >= cfg.get("final_participants", 1):
+            together = together + 1 if quorum == together_quorum else 1
+        else:
+            together = 0
+        together_quorum = quorum
         if manager.current_step() >= cfg["steps"] and together >= cfg.get("together", 3):
             break
         time.sleep(cfg.get("pause_s", 0.0))

@@ -98,6 +98,28 @@ def test_healing_state_gives_a_fresh_replica_the_live_layout(own_group):
         model.close()
 
 
+def test_limits_changed_after_a_heal_rebuild_the_received_order(own_group):
+    """A replica healed at the step where every replica changes its limits (after the quorum,
+    before the forward): its forward rebuilds the received order with the new limits, as the
+    live replica's does, instead of refusing the sender's layout from before the change
+    (scripts/ft_stress.py found that refusal: a heal at step 2 of tests/ft_worker.py)."""
+    live = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                      process_group=own_group, first_bucket_mb=0.004,
+                                      bucket_cap_mb=0.04)
+    train_locally(live, 2)
+    state = ft.reducer_state(live)
+    joining = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                         process_group=own_group)
+    ft.load_reducer_state(joining, state)
+    for model in (live, joining):
+        model.bucket_cap_bytes = 15_000
+        train_locally(model, 1, first_step=2)
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    assert [list(b) for b in live.bucket_parameter_names()] != state["bucket_parameter_names"]
+    for model in (live, joining):
+        model.close()
+
+
 def test_refused_under_a_changing_quorum(own_group):
     async_manager = LocalManager()
     async_manager._use_async_quorum = True
