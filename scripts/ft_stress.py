@@ -23,7 +23,9 @@ then restarted with the same replica id after a random delay (0 to --restart-del
   - every replica of a committed step had the same bucket layout,
   - every replica's final parameters equal the float64 replay of the committed steps and their
     participants (ft_common.replay) within 1e-5.
-Prints a line per run and a summary; writes JSON (every run, the summary) to --out
+"kill to next commit": from the SIGKILL to the survivors' next committed step (the killed step
+itself when the victim's gradients had all gone out); "to rejoin": to the first step the restart
+committed with every replica. Prints a line per run and a summary; writes JSON (every run, the summary) to --out
 (default bench/out/ft_stress.json). Exits 1 if any run was wrong or hung.
 """
 import argparse
@@ -249,7 +251,11 @@ def main():
             print(result["tails"], flush=True)
 
     per_phase = {p: {"runs": sum(r["phase"] == p for r in results),
-                     "wrong": sum(r["phase"] == p and r["wrong"] for r in results)}
+                     "wrong": sum(r["phase"] == p and r["wrong"] for r in results),
+                     "median_kill_to_next_commit_s": median(
+                         r.get("kill_to_next_commit_s") for r in results if r["phase"] == p),
+                     "median_kill_to_rejoin_s": median(
+                         r.get("kill_to_rejoin_s") for r in results if r["phase"] == p)}
                  for p in args.phases}
     summary = {
         "runs": len(results), "wrong": sum(r["wrong"] for r in results),
@@ -267,6 +273,9 @@ def main():
     print("summary: " + " ".join(
         f"{k}={v}" for k, v in summary.items() if k not in ("per_phase",)) + " per_phase=" +
         ",".join(f"{p}:{c['runs']}/{c['wrong']}wrong" for p, c in per_phase.items()))
+    for p, c in per_phase.items():
+        print(f"  {p:15s} runs {c['runs']:3d} wrong {c['wrong']:3d} median kill to next commit "
+              f"{c['median_kill_to_next_commit_s']} s, to rejoin {c['median_kill_to_rejoin_s']} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "runs": results}, f, indent=1)
