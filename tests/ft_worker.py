@@ -5,8 +5,9 @@ tests/test_fault_tolerance.py: run as a process by the test, which starts the Li
 
 Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
 <out>/replica<R>.log: one per step after should_commit (committed or not, participants, what the
-buckets did), then the final parameters to <out>/replica<R>.pt. The test replays the committed
-steps in float64 from these logs. `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
+buckets did, how many heals this process received, the time), then the final parameters to
+<out>/replica<R>.pt. tests/ft_common.py starts replicas and replays the committed steps in
+float64 from these logs (for the test and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
 its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
 "after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
 """
@@ -89,11 +90,18 @@ def main():
         connect_timeout=timedelta(seconds=10), init_sync=False)
 
     fused = cfg.get("reducer", "fused_reducer") == "fused_reducer"
+    heals = []
     if fused:
         model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
                                            bucket_cap_mb=0.04)
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        manager.register_state_dict_fn("fused_reducer", *ft.state_dict_fns(model, inner))
+        load, save = ft.state_dict_fns(model, inner)
+
+        def counted_load(state):  # how many times this replica healed (in its records)
+            heals.append(manager.current_step())
+            load(state)
+
+        manager.register_state_dict_fn("fused_reducer", counted_load, save)
     else:  # torchft's own DDP, for comparison (bench/, the report)
         model = torchft.DistributedDataParallel(manager, make_model())
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -133,7 +141,7 @@ def main():
             time.sleep(0.01)
     kill_step = cfg.get("kill_step")
     healed_at = None
-    together = 0
+    together, together_quorum = 0, None
     while True:
         if time.monotonic() > deadline:
             raise SystemExit(f"replica {replica}: gave up at step {manager.current_step()}")
@@ -158,7 +166,8 @@ def main():
             launched = sum(1 for e in events if e[0] == "launch")
             with open(log_path, "a") as f:
                 f.write(json.dumps({"killed": step, "replica": replica, "phase": phase,
-                                    "launched": launched, "contributed": contributed}) + "\n")
+                                    "launched": launched, "contributed": contributed,
+                                    "time": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
         hooks = []
@@ -205,13 +214,22 @@ def main():
             "layout": model.bucket_parameter_names() if fused else None,
             "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
+            "heals": len(heals),
+            "quorum": manager._quorum_id,
+            "time": time.time(),
         }
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        # Ends after `steps` and `together` commits in a row with `final_participants`: every
-        # replica sees the same commits, so all end after the same step.
-        together = together + 1 if committed and participants >= cfg.get(
-            "final_participants", 1) else 0
+        # Ends after `steps` and `together` commits in a row with `final_participants` in one
+        # quorum (torchft 0.2.0's Lighthouse id, bumped when the membership changes): every
+        # replica sees the same commits and quorums, a restarted one included, so all end after
+        # the same step.
+        quorum = manager._quorum_id
+        if committed and participants >= cfg.get("final_participants", 1):
+            together = together + 1 if quorum == together_quorum else 1
+        else:
+            together = 0
+        together_quorum = quorum
         if manager.current_step() >= cfg["steps"] and together >= cfg.get("together", 3):
             break
         time.sleep(cfg.get("pause_s", 0.0))

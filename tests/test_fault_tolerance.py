@@ -9,7 +9,6 @@ each step: the participants' batches, their gradients averaged) and compares.
 Bounded: every replica gives up after `max_s`, the test waits for it at most WAIT_S, and kills
 only the processes it started (by pid) if they outlive that.
 """
-import json
 import os
 import signal
 import subprocess
@@ -22,22 +21,19 @@ pytest.importorskip("torchft", reason="torchft is not installed (pip install .[f
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torchft._torchft import LighthouseServer  # noqa: E402
 from torchft.work import _DummyWork  # noqa: E402
 
 import fused_reducer.torchft as ft  # noqa: E402
 from fused_reducer.errors import FusedReducerError  # noqa: E402
 
 import ft_worker  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-WAIT_S = 150
-TOLERANCE = 1e-5
+from ft_common import (TOLERANCE, WAIT_S, max_error, records, records_or_none,  # noqa: E402
+                       replay, start, start_together, start_lighthouse, wait_all)
 
 
 @pytest.fixture
 def lighthouse():
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
+    server = start_lighthouse()
     yield server.address()
     server.shutdown()
 
@@ -102,6 +98,28 @@ def test_healing_state_gives_a_fresh_replica_the_live_layout(own_group):
         model.close()
 
 
+def test_limits_changed_after_a_heal_rebuild_the_received_order(own_group):
+    """A replica healed at the step where every replica changes its limits (after the quorum,
+    before the forward): its forward rebuilds the received order with the new limits, as the
+    live replica's does, instead of refusing the sender's layout from before the change
+    (scripts/ft_stress.py found that refusal: a heal at step 2 of tests/ft_worker.py)."""
+    live = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                      process_group=own_group, first_bucket_mb=0.004,
+                                      bucket_cap_mb=0.04)
+    train_locally(live, 2)
+    state = ft.reducer_state(live)
+    joining = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                         process_group=own_group)
+    ft.load_reducer_state(joining, state)
+    for model in (live, joining):
+        model.bucket_cap_bytes = 15_000
+        train_locally(model, 1, first_step=2)
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    assert [list(b) for b in live.bucket_parameter_names()] != state["bucket_parameter_names"]
+    for model in (live, joining):
+        model.close()
+
+
 def test_refused_under_a_changing_quorum(own_group):
     async_manager = LocalManager()
     async_manager._use_async_quorum = True
@@ -127,98 +145,6 @@ def test_refused_under_a_changing_quorum(own_group):
     with pytest.raises(RuntimeError, match=f"expected {count} parameter indices"):
         ft._reducer_of(model).request_rebuild_from_order([0])
     model.close()
-
-
-def start(out, replica, lighthouse, **cfg):
-    cfg = dict(replica=replica, out=str(out), lighthouse=lighthouse, max_s=WAIT_S - 30, **cfg)
-    # The package the tests import (installed, or the checkout's python/ on PYTHONPATH), and
-    # the tests' own helpers.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    log = open(os.path.join(out, f"replica{replica}.out"), "ab")
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "ft_worker.py"), json.dumps(cfg)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def start_together(out, lighthouse, configs):
-    """Start the replicas of `configs` ({replica: cfg}) and let them train once every Manager
-    is up (heartbeating), so that the first quorum has them all."""
-    go = os.path.join(out, "go")
-    procs = {r: start(out, r, lighthouse, go=go, **cfg) for r, cfg in configs.items()}
-    deadline = time.monotonic() + 60
-    while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in configs):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
-            wait_all(procs, out, time.monotonic())
-            pytest.fail("a replica did not get ready within 60 s")
-        time.sleep(0.05)
-    open(go, "w").close()
-    return procs
-
-
-def wait_all(procs, out, deadline):
-    """Exit codes of `procs` ({replica: Popen}); kills (by pid) any still running at `deadline`."""
-    codes = {}
-    for replica, proc in procs.items():
-        try:
-            codes[replica] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            codes[replica] = "hung"
-    if any(c != 0 for c in codes.values()):
-        tails = {r: open(os.path.join(out, f"replica{r}.out"), errors="replace").read()[-3000:]
-                 for r in procs}
-        pytest.fail(f"replicas ended with {codes}; output tails:\n" +
-                    "\n".join(f"--- replica {r}\n{t}" for r, t in tails.items()))
-    return codes
-
-
-def records(out, replica):
-    path = os.path.join(out, f"replica{replica}.log")
-    return [json.loads(line) for line in open(path)]
-
-
-def replay(all_records):
-    """Float64 parameters after the committed steps: at each, the participants' batches, their
-    gradients averaged, torch's SGD with momentum. Checks that every committed step's set of
-    committing replicas has as many members as the Manager counted participants (a replica that
-    contributed and is not in the log would otherwise go unnoticed). A replica killed after all
-    its buckets were reduced counts for the step if the others committed it."""
-    committed, counts = {}, {}
-    for rec in all_records:
-        if rec.get("commit"):
-            committed.setdefault(rec["step"], set()).add(rec["replica"])
-            counts.setdefault(rec["step"], set()).add(rec["participants"])
-    for rec in all_records:  # killed after its gradients all went out: in if the step was
-        if rec.get("contributed") and rec["killed"] in committed:
-            committed[rec["killed"]].add(rec["replica"])
-    steps = sorted(committed)
-    assert steps == list(range(len(steps))), f"committed steps are not 0..n-1: {steps}"
-    model = ft_worker.make_model(torch.float64)
-    params = list(model.parameters())
-    buffers = None
-    for step in steps:
-        who = sorted(committed[step])
-        assert counts[step] == {len(who)}, (step, who, counts[step])
-        grads = [torch.zeros_like(p) for p in params]
-        for replica in who:
-            model.zero_grad()
-            x, y = ft_worker.batch(step, replica, torch.float64)
-            ft_worker.loss_fn(model(x), y).backward()
-            for g, p in zip(grads, params):
-                g += p.grad / len(who)
-        with torch.no_grad():
-            if buffers is None:
-                buffers = [g.clone() for g in grads]
-            else:
-                for b, g in zip(buffers, grads):
-                    b.mul_(ft_worker.MOMENTUM).add_(g)
-            for p, b in zip(params, buffers):
-                p -= ft_worker.LR * b
-    return dict(model.named_parameters()), steps, committed
-
-
-def max_error(final, reference):
-    return max((final[n].double() - reference[n]).abs().max().item() for n in reference)
 
 
 def test_two_replicas_match_float64_and_overlap(tmp_path, lighthouse):
@@ -288,7 +214,7 @@ def test_killed_replica_survivor_goes_on_and_restarted_replica_heals(tmp_path, l
                   for rec in records(tmp_path, 0)):
         if time.monotonic() > deadline - 60 or procs[0].poll() is not None:
             wait_all({0: procs[0]}, tmp_path, time.monotonic())
-            pytest.fail("the survivor did not commit a step alone")
+            raise AssertionError("the survivor did not commit a step alone")
         time.sleep(0.1)
     procs[1] = start(tmp_path, 1, lighthouse, steps=steps, final_participants=2, restarted=True,
                      pause_s=0.05)
@@ -359,8 +285,15 @@ def test_stopped_replica_is_dropped_within_the_timeout(tmp_path, lighthouse):
                 proc.wait()
 
 
-def records_or_none(out, replica):
-    try:
-        return [rec for rec in records(out, replica) if "step" in rec]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
+
+def test_train_ft_example_heals_and_ends_identical():
+    """examples/train_ft.py end to end: replica 1 SIGKILLed in a backward, restarted, healed;
+    both replicas end with identical parameters (the example exits 1 otherwise)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "train_ft.py"),
+                           "--steps", "16", "--kill-step", "5", "--restart-delay-s", "1"],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "replica 1 (pid" in proc.stdout and "ended with -9" in proc.stdout, proc.stdout
+    assert "replica 1 (restarted): healed to step" in proc.stdout, proc.stdout
+    assert "identical parameters: True" in proc.stdout, proc.stdout

@@ -25,7 +25,9 @@ The bucket layout must be the same on every replica group at every step, rebuild
 ``state_dict_fns(model, optimizer)`` gives the (load_state_dict, state_dict) pair for the
 Manager; the state a healing replica receives carries the model, the optimizer, the reducer's
 limits (``bucket_caps_bytes``, ``last_bucket_bytes``, ``reduce_dtype``) and the parameter order
-of the layout in force, and loading it makes the next forward rebuild exactly that layout.
+of the layout in force, and loading it makes the next forward rebuild exactly that layout (or,
+if the limits are changed after the heal and before that forward, as every replica changes them
+at that step, the layout of the new limits from that order, as on every replica).
 
 This slice: replica groups of one rank (the FusedReducer's process group is the replica's own
 one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is applied before the
@@ -182,16 +184,20 @@ class DistributedDataParallel(FusedReducer):
         kwargs.setdefault("init_sync", False)
         super().__init__(module, process_group=_own_group(process_group), **kwargs)
         self.manager = manager
-        # The sender's bucket_parameter_names after a heal, checked by the next forward.
+        # After a heal: the received limits and the sender's bucket_parameter_names, checked by
+        # the next forward.
         self.expected_layout = None
         self.register_comm_hook(manager, fault_tolerant_hook)
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)  # applies a received layout (a rebuild)
         if self.expected_layout is not None:
-            expected, self.expected_layout = self.expected_layout, None
+            (limits, expected), self.expected_layout = self.expected_layout, None
             got = [list(b) for b in self.bucket_parameter_names()]
-            if got != expected:
+            # Limits changed since the heal (every replica changes them at the same step, after
+            # the quorum): every replica rebuilds from the same order with the new limits, so
+            # the sender's layout from before the change is not the one to expect.
+            if _limits(self) == limits and got != expected:
                 raise FusedReducerError(
                     "fused_reducer.torchft: after healing, this replica's buckets differ from "
                     f"the live replica's: {got} != {expected}")
@@ -246,7 +252,12 @@ def load_reducer_state(model, state):
     dtype = state["reduce_dtype"]
     model.reduce_dtype = None if dtype is None else getattr(torch, dtype)
     _reducer_of(model).request_rebuild_from_order([index[n] for n in order])
-    model.expected_layout = [list(b) for b in state["bucket_parameter_names"]]
+    model.expected_layout = (_limits(model), [list(b) for b in state["bucket_parameter_names"]])
+
+
+def _limits(model):
+    """What a layout is built from, besides the parameter order."""
+    return list(model.bucket_caps_bytes), int(model.last_bucket_bytes), model.reduce_dtype
 
 
 def state_dict_fns(model, optimizer=None):
