@@ -347,8 +347,8 @@ MUTATIONS = [
     dict(
         id="pickle-keeps-process-group",
         file=COPIES_PY,
-        edits=[('TRANSIENT = ("process_group", "_attachment", "_arming", "_closed")',
-                'TRANSIENT = ("_attachment", "_arming", "_closed")')],
+        edits=[('TRANSIENT = ("process_group", "_attachment", "_arming")',
+                'TRANSIENT = ("_attachment", "_arming")')],
         why="pickling/deepcopy keeps the process group: torch.save(model) or copy.deepcopy fail "
             "(a ProcessGroup cannot be pickled), or the copy reuses a group it does not own",
         tests=[COPIES + "test_pickled_and_deep_copied_models_train_like_ddp"],

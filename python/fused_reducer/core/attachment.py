@@ -195,13 +195,6 @@ class Attachment:
         if failure is not None:
             raise failure
 
-    def __del__(self):
-        try:
-            if self.reducer is not None:
-                self.close()
-        except Exception:  # noqa: BLE001 - never raise from the garbage collector
-            pass
-
 
 def _verify_with_restart_hint(group, names, params, device):
     """verify_same_model, the group's first collective: a failure there says whose it is (a

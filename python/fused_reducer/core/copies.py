@@ -4,7 +4,7 @@ not the process group and the reducer; the model attaches again at its first for
 while training, the sharded mode, a registered comm hook, and with DTensor parameters the name
 of its data-parallel group (Note [Copies of DTensor models])."""
 # The wrapper's attributes a copy does not take: what only the live attachment can give.
-TRANSIENT = ("process_group", "_attachment", "_arming", "_closed")
+TRANSIENT = ("process_group", "_attachment", "_arming")
 
 
 def copied_state(state, attachment):
@@ -19,6 +19,6 @@ def copied_state(state, attachment):
             state["_dp_group_name"] = attachment.group.group_name
     for transient in TRANSIENT:
         state[transient] = None
-    state["_closed"] = False
+    state["_closed"] = False  # a copy of a closed model can be trained (it attaches anew)
     return state
 
