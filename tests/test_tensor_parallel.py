@@ -13,6 +13,9 @@ core/tensor_parallel.py):
   too;
 - a DTensor parameter tied between two modules gets both uses' gradients; a param.grad zeroed in
   place (set_to_none=False) or set by hand before a backward is what that backward adds to;
+- a step adds no DTensor.from_local call to the bare TP block's (Note [One pass per step]), and a
+  gradient that stays the same tensor (set_to_none=False, gradient_as_bucket_view) keeps its
+  DTensor from step to step;
 - tensor-parallel pipeline stages (mesh (pp, dp, tp) = (1, 2, 2)) under a split-backward schedule
   with find_unused_parameters stay exact and equal across the DP ranks;
 - Megatron-style sequence parallelism (SequenceParallel LayerNorm, Shard(1) activations) is
@@ -605,6 +608,65 @@ def check_gradients_kept_or_set_by_hand(rank, world):
     return out
 
 
+def check_per_step_cost(rank, world):
+    """Note [One pass per step]: DTensor.from_local calls per step of the wrapped block against
+    the bare TP block (its own input/output conversions), counted by patching torch's
+    from_local; with zero_grad(set_to_none=False) and with gradient_as_bucket_view=True, whether
+    each P.grad stays the same DTensor object from step to step, and the gradients against the
+    float64 model on the global batch."""
+    from torch.distributed.tensor import DTensor
+    mesh = _mesh()
+    dp = mesh["dp"].get_local_rank()
+    calls = [0]
+    original = DTensor.from_local
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    def from_local_calls(module, steps=2):
+        module(_data(dp, 0)).pow(2).mean().backward()  # warm: the first forward builds
+        DTensor.from_local = staticmethod(counting)
+        try:
+            calls[0] = 0
+            for step in range(steps):
+                module.zero_grad(set_to_none=True)
+                module(_data(dp, step)).pow(2).mean().backward()
+        finally:
+            DTensor.from_local = staticmethod(original)
+        return calls[0]
+
+    out = {"bare": from_local_calls(_tp_block(mesh)),
+           "wrapped": from_local_calls(FusedReducer(_tp_block(mesh), device_mesh=mesh["dp"]))}
+    for how, kwargs, set_to_none in (("set_to_none=False", {}, False),
+                                     ("gradient_as_bucket_view", {"gradient_as_bucket_view": True},
+                                      True)):
+        torch.manual_seed(0)
+        reference = Block().double()
+        model = FusedReducer(_tp_block(mesh), device_mesh=mesh["dp"], **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+        res = {"grads": [], "same_grad_objects": []}
+        previous = None
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=set_to_none)
+            ref_opt.zero_grad()
+            model(_data(dp, step)).pow(2).mean().backward()
+            x = torch.cat([_data(d, step, dtype=torch.float64) for d in range(2)])
+            reference(x).pow(2).mean().backward()
+            named = dict(model.module.named_parameters())
+            grads = [id(p.grad) for n, p in named.items() if hasattr(p, "to_local")]
+            if previous is not None:
+                res["same_grad_objects"].append(grads == previous)
+            previous = grads
+            res["grads"].append(_max_diff({n: p.grad for n, p in named.items()},
+                                          {n: p.grad for n, p in reference.named_parameters()}))
+            opt.step()
+            ref_opt.step()
+        out[how] = res
+    return out
+
+
 def check_split_backward_with_find_unused_parameters(rank, world):
     """TP=2 x DP=2, the two stages of a pipeline on each DP rank (mesh (pp, dp, tp) = (1, 2, 2))
     under ScheduleInterleavedZeroBubble, each stage an MLP (ColwiseParallel + RowwiseParallel) in
@@ -810,6 +872,20 @@ def test_dtensor_gradients_kept_or_set_by_hand_are_accumulated_onto(outcomes):
         for how, res in r.items():
             assert max(res["grads"]) < TOL and res["params"] < TOL, (how, res)
             assert res["placements_kept"], (how, res)
+
+
+@checks.uses(check_per_step_cost)
+def test_dtensor_views_and_gradients_are_not_rebuilt_every_step(outcomes):
+    """The wrapper adds no DTensor.from_local call to a step (the views of the leaves are built
+    once; a new gradient gets the cheap constructor), and a gradient that stays the same tensor
+    (zeroed in place, or a bucket view) keeps its DTensor across steps, exactly."""
+    for r in per_rank(outcomes, "check_per_step_cost"):
+        assert r["bare"] > 0 and r["wrapped"] == r["bare"], r
+        assert r["set_to_none=False"]["same_grad_objects"] == [True] * (STEPS - 1), r
+        # Bucket views: from the second step on (the rebuild after the first makes new ones).
+        assert r["gradient_as_bucket_view"]["same_grad_objects"][1:] == [True] * (STEPS - 2), r
+        for how in ("set_to_none=False", "gradient_as_bucket_view"):
+            assert max(r[how]["grads"]) < TOL, (how, r)
 
 
 @checks.uses(check_split_backward_with_find_unused_parameters)

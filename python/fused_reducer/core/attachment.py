@@ -48,7 +48,8 @@ class Attachment:
         self.group = group
         self.device = device
         self.param_names = [name for name, _ in named]
-        self.tensor_parallel = TensorParallelParameters(module, named, group)
+        self.tensor_parallel = TensorParallelParameters(
+            module, named, group, grads_are_bucket_views=config.gradient_as_bucket_view)
         self.params = self.tensor_parallel.reduced(named)
         self.reducer = self.transport = None
         self._launch_hook = None  # the registered comm hook's bucket launcher

@@ -24,12 +24,29 @@ parameters(), clip_grad_norm_) sees DTensors; at the end of each backward P.grad
 a DTensor view of L.grad (same storage: clipping or zeroing P.grad acts on what the reducer
 wrote, and an optimizer step on P updates L's storage). Before each forward L.grad follows
 P.grad (zero_grad(set_to_none=True) on P clears L.grad; a P.grad set by hand becomes L.grad).
-Parameters sharded over mesh dimensions that include data-parallel ranks are refused: their
+See Note [One pass per step] for what each step costs. Parameters sharded over mesh dimensions
+that include data-parallel ranks are refused: their
 shards differ across the DP group, so averaging them is meaningless (that is FSDP's layout).
 A ShardedOptimizer maps the DTensor parameters it is given to the leaves (the attachment's
 module_params) and shards the leaves' buckets; its norm sums the DP shards, then the TP shards
 (norm_of_pieces). In sharded mode P.grad stays None after a synchronised backward: the averaged
 gradient exists only as shards.
+
+Note [One pass per step]
+What a step runs in Python per DTensor parameter is kept to what cannot be avoided. Built once
+(at attach): each parameter's leaf, its DTensor view (from_local's backward node saves no
+tensors, so one view serves every forward and backward), and the list of module slots to swap.
+Per forward, one pass: the slots swapped to the views and back (a dict store each), and each
+P.grad read, because torch's zero_grad(set_to_none=True) clears it without telling anyone and
+the leaf must follow: an identity test when P.grad is still what the last backward published.
+Per backward, P.grad is published only where autograd made a new gradient tensor (after
+set_to_none), through the DTensor constructor with the parameter's own spec (from_local costs
+about 20 us a call: a new spec and an autograd Function; the constructor 2.4 us); a gradient
+that is still the published one's (zeroed in place; a bucket view, even after set_to_none)
+keeps its DTensor. DDP with
+torch's _pre_dp_module_transform runs a pass over the parameters per forward as well. Measured
+on 16 DTensor parameters, 4 ranks on 2 CPU cores: 0.5 ms per step in all, from 2.7 ms when each
+forward built new views and each backward called from_local (bench/large_models_bench.py).
 
 Note [Copies of DTensor models]
 A copy of a FusedReducer (pickle, torch.save(model), copy.deepcopy) drops the group and the
@@ -159,7 +176,11 @@ def _key(sharding):
 
 
 class _Entry:
-    __slots__ = ("name", "param", "leaf", "owners", "spec")
+    """One DTensor parameter: its plain leaf, the modules holding it, and the two DTensors the
+    step reuses (Note [One pass per step]): `view`, the differentiable view of the leaf the
+    modules hold during a forward, and `published`, the last P.grad made from `published_from`
+    (the leaf's gradient it views)."""
+    __slots__ = ("name", "param", "leaf", "owners", "view", "published", "published_from")
 
     def __init__(self, name, param, owners):
         self.name = name
@@ -168,19 +189,37 @@ class _Entry:
             local = param.to_local()
         self.leaf = local.detach().requires_grad_(True)
         self.owners = owners  # [(module, attribute)] holding `param` (tied: several)
-        self.spec = (param.device_mesh, tuple(param.placements), param.shape, param.stride())
+        with torch.enable_grad():  # its backward node saves nothing: reusable by every backward
+            self.view = DTensor.from_local(self.leaf, param.device_mesh, param.placements,
+                                           run_check=False, shape=param.shape,
+                                           stride=param.stride())
+        self.published = self.published_from = None
 
-    def as_dtensor(self, tensor):
-        mesh, placements, shape, stride = self.spec
-        return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
+    def replaced(self):
+        """Whether the parameter, or its local storage, is no longer what the leaf shares."""
+        local = self.param._local_tensor
+        if local.data_ptr() != self.leaf.data_ptr() or local.shape != self.leaf.shape:
+            return True
+        for owner, attr in self.owners:
+            if owner._parameters.get(attr) is not self.param:
+                return True
+        return False
+
+    def gradient_of(self, local_grad):
+        """A DTensor gradient viewing `local_grad`, with the parameter's own spec: the DTensor
+        constructor, since from_local rebuilds the spec and runs an autograd Function (about 10
+        times the cost, per parameter and step; Note [One pass per step])."""
+        return DTensor(local_grad, self.param._spec, requires_grad=False)
 
 
 class TensorParallelParameters:
     """The DTensor parameters of a wrapped module and their plain leaves: see Note [DTensor
     parameters]. `reduced(named)` is what the C++ reducer is given."""
 
-    def __init__(self, module, named, dp_group):
+    def __init__(self, module, named, dp_group, grads_are_bucket_views=False):
+        # With gradient_as_bucket_view the leaf's gradient is the same tensor at every step:
+        # its DTensor is kept across zero_grad(set_to_none=True) (it holds no memory of its own).
+        self._keep_published = grads_are_bucket_views
         owners = {}
         for qualified, p in module.named_parameters(remove_duplicate=False):
             if is_dtensor(p):
@@ -191,6 +230,9 @@ class TensorParallelParameters:
             if is_dtensor(p):
                 _refuse_sharded_over_dp(name, p, dp_group)
                 self.entries[id(p)] = _Entry(name, p, owners[id(p)])
+        # The module slots a forward swaps: (their dict, attribute, view, parameter).
+        self._swaps = [(owner._parameters, attr, e.view, e.param)
+                       for e in self.entries.values() for owner, attr in e.owners]
         # Per reduced parameter (reducer index): the mesh dims its local shard is split over.
         self.sharding = [(self.entries[id(p)].param.device_mesh, _sharded_dims(p))
                          if id(p) in self.entries else None for _, p in named]
@@ -210,30 +252,22 @@ class TensorParallelParameters:
 
     @contextlib.contextmanager
     def swapped_in(self):
-        """During a forward: each DTensor parameter replaced by a DTensor view of its leaf, so
+        """During a forward: each DTensor parameter replaced by its DTensor view of the leaf, so
         that backward accumulates into the leaf."""
-        replaced = []
         try:
-            for e in self.entries.values():
-                view = e.as_dtensor(e.leaf)
-                for owner, attr in e.owners:
-                    owner._parameters[attr] = view
-                    replaced.append((owner, attr, e.param))
+            for slots, attr, view, _ in self._swaps:
+                slots[attr] = view
             yield
         finally:
-            for owner, attr, param in replaced:
-                owner._parameters[attr] = param
+            for slots, attr, _, param in self._swaps:
+                slots[attr] = param
 
     def adopt_gradients(self):
         """Before a forward: each leaf's .grad follows its parameter's (see Note [DTensor
         parameters]); a parameter replaced in its module, or whose local storage was replaced,
         is refused (the swap would otherwise put the old parameter back after the forward)."""
         for e in self.entries.values():
-            with torch.no_grad():
-                local = e.param.to_local()
-            if (local.data_ptr() != e.leaf.data_ptr() or local.shape != e.leaf.shape
-                    or any(owner._parameters.get(attr) is not e.param
-                           for owner, attr in e.owners)):
+            if e.replaced():
                 raise FusedReducerError(
                     f"FusedReducer: DTensor parameter '{e.name}' or its local tensor was replaced "
                     "after wrapping (param.data = ..., load_state_dict(assign=True), a new "
@@ -241,28 +275,37 @@ class TensorParallelParameters:
                     "storage. Update parameters in place (load_state_dict without assign, "
                     "param.copy_), or wrap the module again.")
             grad = e.param.grad
+            if grad is not None and grad is e.published:
+                continue  # still the view of the leaf's gradient published after the backward
             if grad is None:
                 e.leaf.grad = None
-            else:
+                if not self._keep_published:  # else: a bucket view, published again as it was
+                    e.published = e.published_from = None
+            else:  # set by hand: the leaf takes its local tensor
+                e.published = e.published_from = None
                 local_grad = grad.to_local() if is_dtensor(grad) else grad
                 if e.leaf.grad is None or local_grad.data_ptr() != e.leaf.grad.data_ptr():
                     e.leaf.grad = local_grad.detach()
 
     def publish_gradients(self):
         """After a backward: P.grad = a DTensor view of L.grad (None where L has none, or holds
-        the placeholder of a gradient released to a ShardedOptimizer's shards)."""
+        the placeholder of a gradient released to a ShardedOptimizer's shards); the DTensor of
+        the previous step where L.grad is still the tensor it views (a bucket view, a gradient
+        zeroed in place)."""
         with torch.no_grad():
             for e in self.entries.values():
                 grad = e.leaf.grad
                 if grad is None or type(grad) is not torch.Tensor:
-                    e.param.grad = None
+                    e.param.grad = e.published = e.published_from = None
                     continue
                 current = e.param.grad
-                if (current is not None and is_dtensor(current)
-                        and current._local_tensor.data_ptr() == grad.data_ptr()
-                        and current._local_tensor.shape == grad.shape):
+                if grad is e.published_from and (current is None or current is e.published):
+                    e.param.grad = e.published
                     continue
-                e.param.grad = e.as_dtensor(grad)
+                if not (is_dtensor(current) and current._local_tensor.data_ptr() == grad.data_ptr()
+                        and current._local_tensor.shape == grad.shape):  # else: set by hand, kept
+                    current = e.param.grad = e.gradient_of(grad)
+                e.published, e.published_from = current, grad
 
     def clip_targets(self, params):
         """Tensors whose .grad clipping scales, for `params` (those with a gradient): a DTensor
