@@ -19,16 +19,6 @@ from .validation import health_settings, reduce_dtype_of
 
 
 @dataclasses.dataclass(frozen=True)
-class HealthConfig:
-    """The health checks (ext/health_checks.h): check_finite and the straggler report."""
-    check_finite: bool = False
-    straggler_interval: int = 10
-    straggler_window: int = 10
-    straggler_threshold_ms: float = 0.0  # 0: automatic
-    straggler_warn_steps: int = 20
-
-
-@dataclasses.dataclass(frozen=True)
 class ReducerConfig:
     bucket_caps_bytes: Tuple[int, ...]
     last_bucket_bytes: int = 0
@@ -39,16 +29,18 @@ class ReducerConfig:
     reduce_dtype: Optional[torch.dtype] = None
     backend: str = "auto"  # the transport asked for; FusedReducer.backend names the one in use
     timeout: object = None  # as given (timedelta or seconds); None: the process group's
-    health: HealthConfig = HealthConfig()
+    # The health checks' options, (name, value) in C++'s names (ext/health_checks.h; see
+    # health_settings in core/validation.py): hashable and picklable, as the rest.
+    health: Tuple[Tuple[str, object], ...] = ()
 
     @classmethod
     def from_arguments(cls, *, bucket_cap_mb, first_bucket_mb, bucket_cap_mb_list, last_bucket_mb,
                        gradient_as_bucket_view, find_unused_parameters,
                        skip_all_reduce_unused_params, reduce_dtype, mixed_precision, backend,
-                       timeout, check_finite, straggler_interval, straggler_window,
-                       straggler_threshold_ms, straggler_warn_steps):
+                       timeout, health):
         """FusedReducer's keyword arguments, each checked (raising naming it) before any
-        collective, so that every rank refuses alike."""
+        collective, so that every rank refuses alike; `health`: the health checks' keyword
+        arguments by name."""
         off = last_bucket_mb is None or (not isinstance(last_bucket_mb, bool)
                                          and last_bucket_mb == 0)
         if timeout is not None:
@@ -65,9 +57,7 @@ class ReducerConfig:
             reduce_dtype=check_reduce_dtype(reduce_dtype_of(mixed_precision, reduce_dtype)),
             backend=backend,
             timeout=timeout,
-            health=HealthConfig(**health_settings(check_finite, straggler_interval,
-                                                  straggler_window, straggler_threshold_ms,
-                                                  straggler_warn_steps)))
+            health=tuple(health_settings(health).items()))
 
     def with_limits_in_force(self, bucket_caps_bytes, last_bucket_bytes, reduce_dtype):
         """This configuration with the limits a running reducer holds (set while training)."""
@@ -85,6 +75,6 @@ class ReducerConfig:
         options.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         options.timeout_seconds = timeout_s
         options.reduce_dtype = self.reduce_dtype
-        for field in dataclasses.fields(HealthConfig):
-            setattr(options.health, field.name, getattr(self.health, field.name))
+        for name, value in self.health:
+            setattr(options.health, name, value)
         return options

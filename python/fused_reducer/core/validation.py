@@ -16,29 +16,40 @@ from ..transports.transport import resolve_backend
 _MAX_DIMS = 8  # shape entries compared across ranks; the rest is folded into numel
 
 
-def health_settings(check_finite, straggler_interval, straggler_window, straggler_threshold_ms,
-                    straggler_warn_steps):
-    """The C++ reducer's health options (ext/health_checks.h): the types checked here, the
-    ranges by C++'s check_health_options, before any collective."""
-    if not isinstance(check_finite, bool):
-        raise FusedReducerError(f"FusedReducer: check_finite must be True or False, got "
-                                f"{check_finite!r}")
-    for name, value in (("straggler_interval", straggler_interval),
-                        ("straggler_window", straggler_window),
-                        ("straggler_warn_steps", straggler_warn_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**62:
-            raise FusedReducerError(f"FusedReducer: {name} must be an int number of steps "
-                                    f"(below 2**62), got {value!r}")
-    threshold = straggler_threshold_ms
-    # None is automatic, which C++ spells 0: an explicit value must then be positive.
-    if threshold is not None and (isinstance(threshold, bool)
-                                  or not isinstance(threshold, (int, float)) or threshold == 0):
-        raise FusedReducerError(f"FusedReducer: straggler_threshold_ms must be a positive number "
-                                f"of milliseconds, or None (automatic), got {threshold!r}")
-    settings = {"check_finite": check_finite, "straggler_interval": straggler_interval,
-                "straggler_window": straggler_window,
-                "straggler_threshold_ms": 0.0 if threshold is None else float(threshold),
-                "straggler_warn_steps": straggler_warn_steps}
+def health_option_names():
+    """The health checks' options, as C++ binds them on HealthOptions (for_each_health_option in
+    ext/health_checks.h): an option added there is taken, checked and passed on by name."""
+    return sorted(name for name in dir(_C.HealthOptions) if not name.startswith("_"))
+
+
+def health_settings(given):
+    """The C++ reducer's health options from FusedReducer's keyword arguments of the same names:
+    each one's type checked here against its C++ field's (a bool; an int number of steps; a
+    float, None meaning automatic, which C++ spells 0, so an explicit value must be positive,
+    in milliseconds for a name ending in _ms), the ranges by C++'s check_health_options, before
+    any collective. Returns {name: value} as C++ takes it."""
+    defaults = _C.HealthOptions()
+    settings = {}
+    for name in health_option_names():
+        value, default = given[name], getattr(defaults, name)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise FusedReducerError(f"FusedReducer: {name} must be True or False, got "
+                                        f"{value!r}")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**62:
+                raise FusedReducerError(f"FusedReducer: {name} must be an int number of steps "
+                                        f"(below 2**62), got {value!r}")
+        elif value is None:
+            value = 0.0
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+            unit = " of milliseconds" if name.endswith("_ms") else ""
+            raise FusedReducerError(f"FusedReducer: {name} must be a positive number{unit}, or "
+                                    f"None (automatic), got {value!r}")
+        settings[name] = float(value) if isinstance(default, float) else value
+    unknown = set(given) - set(settings)
+    if unknown:  # a keyword the C++ options no longer have: a wrapper out of step with C++
+        raise AssertionError(f"health options C++ does not bind: {sorted(unknown)}")
     options = _C.HealthOptions()
     for name, value in settings.items():
         setattr(options, name, value)

@@ -102,9 +102,11 @@ class FusedReducer(nn.Module, Joinable, Reports):
             find_unused_parameters=find_unused_parameters,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             reduce_dtype=reduce_dtype, mixed_precision=mixed_precision, backend=backend,
-            timeout=timeout, check_finite=check_finite, straggler_interval=straggler_interval,
-            straggler_window=straggler_window, straggler_threshold_ms=straggler_threshold_ms,
-            straggler_warn_steps=straggler_warn_steps)
+            timeout=timeout,
+            health=dict(check_finite=check_finite, straggler_interval=straggler_interval,
+                        straggler_window=straggler_window,
+                        straggler_threshold_ms=straggler_threshold_ms,
+                        straggler_warn_steps=straggler_warn_steps))
         named = reduced_parameters(module)
         if not named:
             raise FusedReducerError("FusedReducer: the module has no trainable parameters "
@@ -142,7 +144,7 @@ class FusedReducer(nn.Module, Joinable, Reports):
         self.gradient_as_bucket_view = config.gradient_as_bucket_view
         self.find_unused_parameters = config.find_unused_parameters
         self.skip_all_reduce_unused_params = config.skip_all_reduce_unused_params
-        self.check_finite = config.health.check_finite
+        self.check_finite = dict(config.health)["check_finite"]
         self.backend = resolve_backend(backend, device)  # the attachment's, once attached
         # FusedReducer's own.
         self._config = config  # the limits in force replace its own when the model is copied
