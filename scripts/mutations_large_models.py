@@ -141,12 +141,34 @@ MUTATIONS = [
     dict(
         id="tp-tied-parameter-swapped-in-one-owner-only",
         file=TP_PY,
-        edits=[("                for owner, attr in e.owners:\n                    owner._parameters[attr] = view",
-                "                for owner, attr in e.owners[:1]:\n                    owner._parameters[attr] = view")],
+        edits=[("for e in self.entries.values() for owner, attr in e.owners]",
+                "for e in self.entries.values() for owner, attr in e.owners[:1]]")],
         why="a DTensor parameter tied between two modules is replaced by the leaf's view in its "
             "first owner only: the other use's gradient lands on the DTensor parameter and is "
             "overwritten when the leaf's gradient is published (one use's gradient dropped)",
         tests=[TP + "test_dtensor_parameter_tied_between_two_modules_gets_both_uses_gradients"],
+    ),
+    dict(
+        id="tp-published-gradient-kept-for-a-new-bucket-view",
+        file=TP_PY,
+        edits=[("                if grad is e.published_from and (current is None or current is e.published):",
+                "                if e.published_from is not None and (current is None or current is e.published):")],
+        why="P.grad keeps the DTensor published at the last backward though the leaf's gradient is "
+            "a new tensor (gradient_as_bucket_view: the rebuild after the first step makes new "
+            "bucket views): P.grad shows the old bucket's values, not this step's average",
+        tests=[TP + "test_dtensor_views_and_gradients_are_not_rebuilt_every_step"],
+    ),
+    dict(
+        id="tp-gradient-published-through-from-local",
+        file=TP_PY,
+        edits=[("        return DTensor(local_grad, self.param._spec, requires_grad=False)",
+                "        return DTensor.from_local(local_grad, self.param.device_mesh, self.param.placements,\n"
+                "                                  run_check=False, shape=self.param.shape,\n"
+                "                                  stride=self.param.stride())")],
+        why="each backward publishes P.grad through DTensor.from_local (a new spec and an autograd "
+            "Function per parameter, about 10 times the constructor's cost): the same values, the "
+            "per-step Python cost Note [One pass per step] removed",
+        tests=[TP + "test_dtensor_views_and_gradients_are_not_rebuilt_every_step"],
     ),
     dict(
         id="tp-hand-set-grad-not-adopted",
