@@ -187,6 +187,11 @@ class DistributedDataParallel(FusedReducer):
         # Every replica initialises its own parameters; the Manager heals the differences
         # (torchft's DDP too skips DDP's initial broadcast).
         kwargs.setdefault("init_sync", False)
+        if any(p.is_cuda for p in module.parameters()):
+            # Every bucket goes through the Manager's process group (torchft's NCCL one), so the
+            # reducer's own transport never reduces: the plain process group's, not a second
+            # NCCL communicator on the device beside torchft's.
+            kwargs.setdefault("backend", "process_group")
         health = take_health_settings(kwargs)  # Note [Health across replica groups]
         super().__init__(module, process_group=_own_group(process_group), **kwargs)
         self.manager = manager
