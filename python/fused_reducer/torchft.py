@@ -34,8 +34,11 @@ one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is app
 forward, so the healing replica's first backward already has the others' layout).
 See docs/FAULT_TOLERANCE.md.
 """
+import collections
 import logging
+import statistics
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -323,10 +326,13 @@ _HEALTH_DEFAULTS = {"check_finite": False, "straggler_interval": 10, "straggler_
                     "straggler_threshold_ms": None, "straggler_warn_steps": 20}
 _NAMED_PARAMS = 3  # parameters named per replica in the error
 _ID_CHARS = 64  # characters of a replica id carried in its row
-# Row of one replica: present, non-finite elements, parameters with any, (index, count) of the
-# first _NAMED_PARAMS of them, slack (ms), step (ms), id length, id characters.
-_SLACK, _STEP_MS = 3 + 2 * _NAMED_PARAMS, 4 + 2 * _NAMED_PARAMS
-_ID = 6 + 2 * _NAMED_PARAMS
+# The row of one replica: its non-finite elements, the parameters with any, (index, count) of
+# the first _NAMED_PARAMS of them, its slack and step time (ms), its id's length and characters.
+_ELEMENTS, _PARAMS, _FIRST = 0, 1, 2
+_SLACK = _FIRST + 2 * _NAMED_PARAMS
+_STEP_MS = _SLACK + 1
+_ID_LENGTH = _STEP_MS + 1
+_ID = _ID_LENGTH + 1
 _ROW = _ID + _ID_CHARS
 
 
@@ -347,7 +353,6 @@ class ReplicaHealth:
     (the id given to its Manager; default: its rank in the step's quorum)."""
 
     def __init__(self, model, manager, replica_id, settings):
-        import collections
         self.manager = manager
         self.replica_id = replica_id
         self.check_finite = settings["check_finite"]
@@ -365,7 +370,8 @@ class ReplicaHealth:
         self.step_ms = collections.deque(maxlen=self.window)
         self.late_steps = collections.defaultdict(int)
         self.last = None  # (step, names of the participants) of the last exchange
-        self.sync = lambda: model.require_backward_grad_sync
+        model_ref = weakref.ref(model)  # the model holds this object: no cycle through it
+        self.sync = lambda: model_ref().require_backward_grad_sync
         self.accumulators = []  # kept alive: a parameter holds its accumulator weakly
         if self.check_finite or self.interval > 0:
             model.register_forward_pre_hook(lambda module, args: self.forward_started())
@@ -404,16 +410,15 @@ class ReplicaHealth:
 
     def own_row(self, ended, rank):
         row = torch.zeros(_ROW, dtype=torch.float64)
-        row[0] = 1
         counts = self.counts.cpu()  # the one host sync of the check, at the end of backward
         found = counts.nonzero().flatten().tolist()
-        row[1], row[2] = float(counts.sum()), len(found)
+        row[_ELEMENTS], row[_PARAMS] = float(counts.sum()), len(found)
         for k, index in enumerate(found[:_NAMED_PARAMS]):
-            row[3 + 2 * k], row[4 + 2 * k] = index, float(counts[index])
+            row[_FIRST + 2 * k], row[_FIRST + 2 * k + 1] = index, float(counts[index])
         row[_SLACK] = 1000 * (ended - self.last_gradient)
         row[_STEP_MS] = 1000 * (ended - self.forward_began)
         name = (self.replica_id or f"quorum rank {rank}").encode()[:_ID_CHARS]
-        row[_ID - 1] = len(name)
+        row[_ID_LENGTH] = len(name)
         row[_ID:_ID + len(name)] = torch.tensor(list(name), dtype=torch.float64)
         return row
 
@@ -433,12 +438,12 @@ class ReplicaHealth:
         if manager.errored() is not None:
             return  # a peer failed during the exchange: the step is not committed
         rows = rows.cpu()
-        names = [bytes(int(c) for c in row[_ID:_ID + int(row[_ID - 1])]).decode(errors="replace")
-                 for row in rows]
+        names = [bytes(int(c) for c in row[_ID:_ID + int(row[_ID_LENGTH])]).decode(
+            errors="replace") for row in rows]
         step = manager.current_step()
         if self.interval > 0 and step % self.interval == 0:
             self.update_stragglers(rows, names, step)
-        if rows[:, 1].sum() > 0:
+        if rows[:, _ELEMENTS].sum() > 0:
             error = NonFiniteGradientError(self.nonfinite_message(rows, names, step))
             manager.report_error(error)  # should_commit() is False: the step is skipped
             raise error
@@ -446,13 +451,14 @@ class ReplicaHealth:
     def nonfinite_message(self, rows, names, step):
         parts = []
         for row, name in zip(rows, names):
-            if row[1] == 0:
+            elements, params = int(row[_ELEMENTS]), int(row[_PARAMS])
+            if elements == 0:
                 continue
-            params = int(row[2])
-            first = ", ".join(f"'{self.names[int(row[3 + 2 * k])]}' ({int(row[4 + 2 * k])})"
-                              for k in range(min(params, _NAMED_PARAMS)))
+            first = ", ".join(
+                f"'{self.names[int(row[_FIRST + 2 * k])]}' ({int(row[_FIRST + 2 * k + 1])})"
+                for k in range(min(params, _NAMED_PARAMS)))
             more = f" and {params - _NAMED_PARAMS} more" if params > _NAMED_PARAMS else ""
-            parts.append(f"replica {name}: {int(row[1])} element{'s' if row[1] != 1 else ''} "
+            parts.append(f"replica {name}: {elements} element{'s' if elements != 1 else ''} "
                          f"in {params} parameter{'s' if params != 1 else ''}, first {first}{more}")
         return (f"fused_reducer.torchft: non-finite gradients (NaN or Inf) in step {step} "
                 f"(check_finite=True), in the local gradients of {'; '.join(parts)}. They were "
@@ -487,7 +493,6 @@ class ReplicaHealth:
                     "stragglers": [], "threshold_ms": self.threshold_ms, "median_step_ms": None,
                     "late_steps": {}, "interval": self.interval, "window": self.window,
                     "measured": False}
-        import statistics
         step, names = self.last
         lateness = {name: statistics.median(self.lateness[name]) for name in names}
         median_step = statistics.median(self.step_ms)
