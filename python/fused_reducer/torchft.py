@@ -310,11 +310,12 @@ def state_dict_fns(model, optimizer=None):
 # rows over the reducer's process group, which here is the replica's own group of one rank: they
 # would see this replica alone, and a NaN from another replica would reach this one's gradients
 # through the Manager unnamed. So under torchft the same keywords run here instead (the C++ ones
-# are turned off): each replica counts the non-finite elements of its local gradients (a pre-hook
-# of each parameter's gradient accumulator, as they enter the buckets) and notes when its last gradient was
-# computed; at the end of backward one small float64 all-reduce through the Manager carries a row
-# per participant (its slot: manager.participating_rank()), the same on every replica
-# afterwards, so every replica reaches the same verdict. A non-finite gradient anywhere: every
+# are turned off): each replica counts the non-finite elements of its local gradients (a
+# pre-hook of each parameter's gradient accumulator, as they enter the buckets) and notes when
+# its last gradient was computed; at the end of backward one small float64 all-reduce through
+# the Manager carries a row per participant (its slot: manager.participating_rank()), the same
+# on every replica afterwards, so every replica reaches the same verdict (every replica must be
+# given the same health keywords, as every other keyword). A non-finite gradient anywhere: every
 # replica reports the error to the Manager (should_commit() is then False on every replica, the
 # step is skipped) and raises NonFiniteGradientError naming the replica and the parameters.
 # Lateness is read from slack, as in C++ (Note [Lateness from slack]): the time from a replica's
