@@ -7,8 +7,12 @@
 # Budget: every stage runs under `timeout` (plus 5 s --kill-after grace) and the limits below
 # add up to 420 s (tests/test_gpu_check_script.py parses and checks the sum), so a rerun fits in a
 # 15-minute lease with the machine's start; the tests come before the benchmarks.
-#   prereq 15 + build 150 + build_info 15 + gpu_tests 140 + no_skips 5 + copy_bench 30
-#   + allreduce_bw 30 + step_bench 30 + report 5 = 420
+#   prereq 15 + build 150 + build_info 15 + gpu_tests 130 + no_skips 5 + ft_gpu 20
+#   + copy_bench 25 + allreduce_bw 25 + step_bench 30 + report 5 = 420
+# ft_gpu (tests/test_ft_gpu.py: fused_reducer.torchft over torchft's ProcessGroupNCCL and
+# ProcessGroupBabyNCCL, one replica on the GPU, against float64) needs torchft, whose 0.2.0 wheel
+# is cp311 only: where it cannot be imported the stage records "torchft missing" in the summary
+# and does not fail the check (the rest still must pass); where it can, a failure or a skip fails.
 # Output: exactly two files in the output folder, gpu_check_logs.tar.gz (every log, the pytest
 # junit XML, the benchmarks' JSON) and gpu_check_summary.txt; both are rewritten after each stage,
 # so a run killed from outside still leaves them. The summary table (stage, status, seconds) is
@@ -45,7 +49,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
 [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PYTHONPATH="$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 
-PLANNED=(prereq build build_info gpu_tests no_skips copy_bench allreduce_bw step_bench)
+PLANNED=(prereq build build_info gpu_tests no_skips ft_gpu copy_bench allreduce_bw step_bench)
 NAMES=() STATUS=() SECS=()
 STARTED=$SECONDS
 
@@ -125,6 +129,10 @@ if bw:
     for impl in sorted({r["impl"] for r in big}):
         vals = [r["algbw_GBps"] for r in big if r["impl"] == impl]  # busbw is 0 at world size 1
         print(f"{'all-reduce ' + impl + ' >=64MiB mean algbw GB/s':<52} {sum(vals) / len(vals):>10.1f}")
+try:
+    print(open(os.path.join(work, "ft_gpu.txt")).read().strip())
+except OSError:
+    pass
 for row in (load("step.json") or {}).get("rows", []):
     if row.get("impl") == "fused" and "ratio_to_ddp" in row:
         print(f"{'step time ' + row['model'] + ' FusedReducer/DDP':<52} {row['ratio_to_ddp']:>10.3f}")
@@ -188,7 +196,7 @@ stage build_info 15 "$PY" -c "$BUILD_INFO" "$WORK/build_info.json" \
 failed=0
 # -- GPU tests first ------------------------------------------------------------------------------
 # --timeout 60 (pytest-timeout) bounds every test, a peer that never joins included, well inside
-# the stage's 140 s; -rs lists skips in the log, the junit XML feeds the no_skips stage.
+# the stage's 130 s; -rs lists skips in the log, the junit XML feeds the no_skips stage.
 GPU_TESTS=(
   tests/test_packaging.py::test_the_extension_shares_torchs_libstdcxx
   tests/test_gpu.py
@@ -197,7 +205,7 @@ GPU_TESTS=(
   tests/test_reduce_dtype.py::test_cast_copy_cuda_one_launch
   tests/test_module_surface_like_ddp.py::test_syncbatchnorm_converted_model_trains_like_ddp_on_cuda
 )
-stage gpu_tests 140 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rs \
+stage gpu_tests 130 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rs \
   --junitxml "$WORK/gpu_tests.xml" "${GPU_TESTS[@]}" || failed=1
 
 # Any skipped (or xfailed) test fails the check, and every GPU test of the selection must have run.
@@ -222,6 +230,21 @@ sys.exit(1 if skipped or missing or not cases else 0)
 '
 stage no_skips 5 "$PY" -c "$NO_SKIPS" "$WORK/gpu_tests.xml" "${GPU_TESTS[@]}" || failed=1
 
+# -- fused_reducer.torchft on the GPU (torchft's NCCL process groups) -------------------------------
+FT_GPU='
+if ! "$0" -c "import torchft" 2>/dev/null; then
+  echo "ft_gpu: torchft missing (cannot be imported by $("$0" --version 2>&1)): tests/test_ft_gpu.py not run" | tee "$1/ft_gpu.txt"
+  exit 0
+fi
+"$0" -m pytest -q -p no:cacheprovider --timeout 15 -rs tests/test_ft_gpu.py > "$1/ft_gpu_pytest.log" 2>&1
+rc=$?
+cat "$1/ft_gpu_pytest.log"
+if [ $rc -eq 0 ] && grep -qi skipped "$1/ft_gpu_pytest.log"; then rc=1; fi
+echo "ft_gpu: tests/test_ft_gpu.py rc=$rc (skips count as failures)" > "$1/ft_gpu.txt"
+exit $rc
+'
+stage ft_gpu 20 bash -c "$FT_GPU" "$PY" "$WORK" || failed=1
+
 # -- short benchmarks -----------------------------------------------------------------------------
 # Copy kernel on the reducer's 16-byte slot layout: fp32 pack, the reduce_dtype narrowing pack
 # fp32 -> bf16, and the widening unpack bf16 bucket -> fp32 gradients (--unpack).
@@ -234,8 +257,8 @@ rc=0
   --to-dtype bfloat16 --unpack --json "$1/copy_bf16_to_fp32_unpack.json" || rc=1
 exit $rc
 '
-stage copy_bench 30 bash -c "$COPY" "$PY" "$WORK" || failed=1
-stage allreduce_bw 30 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+stage copy_bench 25 bash -c "$COPY" "$PY" "$WORK" || failed=1
+stage allreduce_bw 25 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
   bench/allreduce_bw.py -b 1M -e 256M -f 16 -n 10 -w 3 --impl fused,torch,cupy \
   --json "$WORK/allreduce_bw.json" || failed=1
 stage step_bench 30 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \

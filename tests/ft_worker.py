@@ -78,6 +78,7 @@ def main():
     import torchft
     from torchft import Manager, ProcessGroupGloo
     import fused_reducer.torchft as ft
+    from fused_reducer import NonFiniteGradientError
 
     timeout = timedelta(seconds=cfg.get("timeout_s", 10))
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -93,7 +94,8 @@ def main():
     heals = []
     if fused:
         model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
-                                           bucket_cap_mb=0.04)
+                                           bucket_cap_mb=0.04, replica_id=f"replica_{replica}",
+                                           **cfg.get("health", {}))
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         load, save = ft.state_dict_fns(model, inner)
 
@@ -142,6 +144,7 @@ def main():
     kill_step = cfg.get("kill_step")
     healed_at = None
     together, together_quorum = 0, None
+    nan_injected = False
     while True:
         if time.monotonic() > deadline:
             raise SystemExit(f"replica {replica}: gave up at step {manager.current_step()}")
@@ -184,8 +187,19 @@ def main():
             hooks.append(model.module.a.weight.register_hook(kill_when_launched))  # late
         if kill_in == "step":
             hooks.append(inner.register_step_pre_hook(lambda *_: die("step", True)))
+        if cfg.get("nan_step") == step and not nan_injected:  # one NaN, in one parameter
+            nan_injected = True  # once: the step is retried (not committed)
+            hooks.append(model.module.get_parameter(cfg["nan_param"]).register_hook(
+                lambda g: g.flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(g)))
+        if cfg.get("sleep_ms"):  # a slow replica: late in every forward, after the quorum
+            hooks.append(model.module.register_forward_pre_hook(
+                lambda *_: time.sleep(cfg["sleep_ms"] / 1000)))
+        nonfinite = None
         loss = loss_fn(model(x), y)
-        loss.backward()
+        try:
+            loss.backward()
+        except NonFiniteGradientError as e:  # every replica raises it, the step is skipped
+            nonfinite = str(e)
         if kill_in == "after_backward":
             die("after_backward", True)
         participants = manager.num_participants()
@@ -217,6 +231,8 @@ def main():
             "heals": len(heals),
             "quorum": manager._quorum_id,
             "time": time.time(),
+            "nonfinite": nonfinite,
+            "stragglers": model.straggler_report()["stragglers"] if fused else None,
         }
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -49,6 +49,15 @@ class LocalManager:
     def num_participants(self):
         return 1
 
+    def participating_rank(self):
+        return 0
+
+    def current_step(self):
+        return 0
+
+    def errored(self):
+        return None
+
 
 @pytest.fixture
 def own_group():

@@ -34,11 +34,19 @@ one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is app
 forward, so the healing replica's first backward already has the others' layout).
 See docs/FAULT_TOLERANCE.md.
 """
+import collections
+import logging
+import statistics
+import time
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from .core.wrapper import FusedReducer
-from .errors import FusedReducerError
+from .errors import FusedReducerError, NonFiniteGradientError
+
+log = logging.getLogger(__name__)
 
 _EXTRA_HINT = ("pip install fused_reducer[ft] (or: pip install --no-build-isolation .[ft] from a "
                "checkout), which installs torchft==0.2.0")
@@ -167,7 +175,7 @@ class DistributedDataParallel(FusedReducer):
         "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
         "whole optimizer state, and healing copies it.")
 
-    def __init__(self, manager, module, process_group=None, **kwargs):
+    def __init__(self, manager, module, process_group=None, replica_id=None, **kwargs):
         for name, why in _REFUSED.items():
             if kwargs.get(name):
                 raise FusedReducerError(
@@ -182,8 +190,16 @@ class DistributedDataParallel(FusedReducer):
         # Every replica initialises its own parameters; the Manager heals the differences
         # (torchft's DDP too skips DDP's initial broadcast).
         kwargs.setdefault("init_sync", False)
+        if any(p.is_cuda for p in module.parameters()):
+            # Every bucket goes through the Manager's process group (torchft's NCCL one), so the
+            # reducer's own transport never reduces: the plain process group's, not a second
+            # NCCL communicator on the device beside torchft's.
+            kwargs.setdefault("backend", "process_group")
+        health = take_health_settings(kwargs)  # Note [Health across replica groups]
         super().__init__(module, process_group=_own_group(process_group), **kwargs)
         self.manager = manager
+        self.check_finite = health["check_finite"]  # what runs, across replica groups
+        self.replica_health = ReplicaHealth(self, manager, replica_id, health)
         # After a heal: the received limits and the sender's bucket_parameter_names, checked by
         # the next forward.
         self.expected_layout = None
@@ -202,6 +218,12 @@ class DistributedDataParallel(FusedReducer):
                     "fused_reducer.torchft: after healing, this replica's buckets differ from "
                     f"the live replica's: {got} != {expected}")
         return out
+
+    def straggler_report(self):
+        """Which replica groups are late: lateness_ms per replica (by the replica_id given, or
+        its quorum rank), slowest, stragglers, threshold_ms, ... of the last exchange (every
+        straggler_interval steps) through the Manager (Note [Health across replica groups])."""
+        return self.replica_health.report()
 
     def register_comm_hook(self, state, hook):
         if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
@@ -280,3 +302,205 @@ def state_dict_fns(model, optimizer=None):
         load_reducer_state(model, state["reducer"])
 
     return load_state_dict, state_dict
+
+
+# -- training health across replica groups ---------------------------------------------------------
+# Note [Health across replica groups]
+# FusedReducer's own check_finite and straggler report (ext/health_exchange.cpp) exchange their
+# rows over the reducer's process group, which here is the replica's own group of one rank: they
+# would see this replica alone, and a NaN from another replica would reach this one's gradients
+# through the Manager unnamed. So under torchft the same keywords run here instead (the C++ ones
+# are turned off): each replica counts the non-finite elements of its local gradients (a
+# pre-hook of each parameter's gradient accumulator, as they enter the buckets) and notes when
+# its last gradient was computed; at the end of backward one small float64 all-reduce through
+# the Manager carries a row per participant (its slot: manager.participating_rank()), the same
+# on every replica afterwards, so every replica reaches the same verdict (every replica must be
+# given the same health keywords, as every other keyword). A non-finite gradient anywhere: every
+# replica reports the error to the Manager (should_commit() is then False on every replica, the
+# step is skipped) and raises NonFiniteGradientError naming the replica and the parameters.
+# Lateness is read from slack, as in C++ (Note [Lateness from slack]): the time from a replica's
+# last gradient to the end of its backward is mostly its wait for the others in the buckets'
+# all-reduces, so the replica that waited least is the latest; lateness = the largest slack
+# minus its own (no clock agreement across hosts). A replica slow before the quorum (its
+# optimizer.zero_grad()) makes the others wait in the quorum instead, which is not seen here.
+_HEALTH_DEFAULTS = {"check_finite": False, "straggler_interval": 10, "straggler_window": 10,
+                    "straggler_threshold_ms": None, "straggler_warn_steps": 20}
+_NAMED_PARAMS = 3  # parameters named per replica in the error
+_ID_CHARS = 64  # characters of a replica id carried in its row
+# The row of one replica: its non-finite elements, the parameters with any, (index, count) of
+# the first _NAMED_PARAMS of them, its slack and step time (ms), its id's length and characters.
+_ELEMENTS, _PARAMS, _FIRST = 0, 1, 2
+_SLACK = _FIRST + 2 * _NAMED_PARAMS
+_STEP_MS = _SLACK + 1
+_ID_LENGTH = _STEP_MS + 1
+_ID = _ID_LENGTH + 1
+_ROW = _ID + _ID_CHARS
+
+
+def take_health_settings(kwargs):
+    """Pop FusedReducer's health keywords from `kwargs` (validated as FusedReducer validates
+    them) and turn the C++ checks off: across replica groups they run in ReplicaHealth."""
+    from .core.validation import health_settings
+    settings = {name: kwargs.pop(name, default) for name, default in _HEALTH_DEFAULTS.items()}
+    health_settings(**settings)
+    kwargs["check_finite"] = False
+    kwargs["straggler_interval"] = 0
+    return settings
+
+
+class ReplicaHealth:
+    """check_finite and the straggler report across the replica groups of each quorum
+    (Note [Health across replica groups]). `replica_id`: how this replica is named in messages
+    (the id given to its Manager; default: its rank in the step's quorum)."""
+
+    def __init__(self, model, manager, replica_id, settings):
+        self.manager = manager
+        self.replica_id = replica_id
+        self.check_finite = settings["check_finite"]
+        self.interval = settings["straggler_interval"]
+        self.window = settings["straggler_window"]
+        self.threshold_ms = settings["straggler_threshold_ms"]
+        self.warn_steps = settings["straggler_warn_steps"]
+        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.counts = torch.zeros(len(named), dtype=torch.int64, device=model.device)
+        self.armed = False  # this backward exchanges
+        self.queued = False
+        self.forward_began = self.last_gradient = 0.0
+        self.lateness = collections.defaultdict(lambda: collections.deque(maxlen=self.window))
+        self.step_ms = collections.deque(maxlen=self.window)
+        self.late_steps = collections.defaultdict(int)
+        self.last = None  # (step, names of the participants) of the last exchange
+        model_ref = weakref.ref(model)  # the model holds this object: no cycle through it
+        self.sync = lambda: model_ref().require_backward_grad_sync
+        self.accumulators = []  # kept alive: a parameter holds its accumulator weakly
+        if self.check_finite or self.interval > 0:
+            model.register_forward_pre_hook(lambda module, args: self.forward_started())
+            for index, (_, p) in enumerate(named):
+                # A pre-hook of the gradient accumulator sees the gradient after every tensor
+                # hook on the parameter, also those registered later: what enters the buckets.
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_prehook(
+                    lambda grads, index=index: self.gradient(index, grads[0]))
+                self.accumulators.append(accumulator)
+
+    def due(self, step):
+        return self.check_finite or (self.interval > 0 and step % self.interval == 0)
+
+    def forward_started(self):
+        # Every replica is at the same step (synchronous quorum), so all decide alike.
+        self.armed = (torch.is_grad_enabled() and self.sync()
+                      and self.due(self.manager.current_step()))
+        if self.armed:
+            self.counts.zero_()
+            self.queued = False
+            self.forward_began = time.perf_counter()
+
+    def gradient(self, index, grad):
+        if not self.armed:
+            return
+        if not self.queued:
+            self.queued = True
+            engine = torch.autograd.Variable._execution_engine
+            # A callback queued by a callback runs after the others: after the reducer's end of
+            # backward (queued by its first gradient hook), which waits for the buckets.
+            engine.queue_callback(lambda: engine.queue_callback(self.exchange))
+        self.last_gradient = time.perf_counter()
+        if self.check_finite:
+            self.counts[index] += grad.isfinite().logical_not().sum()
+
+    def own_row(self, ended, rank):
+        row = torch.zeros(_ROW, dtype=torch.float64)
+        counts = self.counts.cpu()  # the one host sync of the check, at the end of backward
+        found = counts.nonzero().flatten().tolist()
+        row[_ELEMENTS], row[_PARAMS] = float(counts.sum()), len(found)
+        for k, index in enumerate(found[:_NAMED_PARAMS]):
+            row[_FIRST + 2 * k], row[_FIRST + 2 * k + 1] = index, float(counts[index])
+        row[_SLACK] = 1000 * (ended - self.last_gradient)
+        row[_STEP_MS] = 1000 * (ended - self.forward_began)
+        name = (self.replica_id or f"quorum rank {rank}").encode()[:_ID_CHARS]
+        row[_ID_LENGTH] = len(name)
+        row[_ID:_ID + len(name)] = torch.tensor(list(name), dtype=torch.float64)
+        return row
+
+    def exchange(self):
+        """At the end of a synchronising backward: every participant's row through the
+        Manager, then the verdicts (the same on every replica)."""
+        self.armed = False
+        ended = time.perf_counter()
+        manager = self.manager
+        rank = manager.participating_rank()
+        if rank is None or manager.errored() is not None:
+            return  # this step is not committed anyway
+        rows = torch.zeros(manager.num_participants(), _ROW, dtype=torch.float64)
+        rows[rank] = self.own_row(ended, rank)
+        rows = rows.to(self.counts.device)
+        manager.allreduce(rows, reduce_op=dist.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            return  # a peer failed during the exchange: the step is not committed
+        rows = rows.cpu()
+        names = [bytes(int(c) for c in row[_ID:_ID + int(row[_ID_LENGTH])]).decode(
+            errors="replace") for row in rows]
+        step = manager.current_step()
+        if self.interval > 0 and step % self.interval == 0:
+            self.update_stragglers(rows, names, step)
+        if rows[:, _ELEMENTS].sum() > 0:
+            error = NonFiniteGradientError(self.nonfinite_message(rows, names, step))
+            manager.report_error(error)  # should_commit() is False: the step is skipped
+            raise error
+
+    def nonfinite_message(self, rows, names, step):
+        parts = []
+        for row, name in zip(rows, names):
+            elements, params = int(row[_ELEMENTS]), int(row[_PARAMS])
+            if elements == 0:
+                continue
+            first = ", ".join(
+                f"'{self.names[int(row[_FIRST + 2 * k])]}' ({int(row[_FIRST + 2 * k + 1])})"
+                for k in range(min(params, _NAMED_PARAMS)))
+            more = f" and {params - _NAMED_PARAMS} more" if params > _NAMED_PARAMS else ""
+            parts.append(f"replica {name}: {elements} element{'s' if elements != 1 else ''} "
+                         f"in {params} parameter{'s' if params != 1 else ''}, first {first}{more}")
+        return (f"fused_reducer.torchft: non-finite gradients (NaN or Inf) in step {step} "
+                f"(check_finite=True), in the local gradients of {'; '.join(parts)}. They were "
+                "averaged into every replica's gradients, so every replica raises this and the "
+                "Manager does not commit the step (should_commit() is False on every replica): "
+                "call optimizer.step() as usual (torchft's wrapper skips it) or "
+                "optimizer.zero_grad(), and go on with the next batch. To find the cause, look "
+                "at the named replica's batch, loss scale and learning rate.")
+
+    def update_stragglers(self, rows, names, step):
+        slack = rows[:, _SLACK]
+        for name, own in zip(names, slack.tolist()):
+            self.lateness[name].append(float(slack.max()) - own)
+        self.step_ms.append(float(rows[:, _STEP_MS].median()))
+        self.last = (step, names)
+        report = self.report()
+        for name in names:
+            if name not in report["stragglers"]:
+                self.late_steps[name] = 0
+                continue
+            self.late_steps[name] += self.interval
+            if self.late_steps[name] - self.interval < self.warn_steps <= self.late_steps[name]:
+                log.warning("fused_reducer.torchft: replica %s has been late for %d steps "
+                            "(%.1f ms after the earliest replica, threshold %.1f ms): it slows "
+                            "every replica group", name, self.late_steps[name],
+                            report["lateness_ms"][name], report["threshold_ms"])
+
+    def report(self):
+        """Which replicas of the last exchange's quorum are late (see straggler_report)."""
+        if self.last is None:
+            return {"step": 0, "replicas": [], "lateness_ms": {}, "slowest": None,
+                    "stragglers": [], "threshold_ms": self.threshold_ms, "median_step_ms": None,
+                    "late_steps": {}, "interval": self.interval, "window": self.window,
+                    "measured": False}
+        step, names = self.last
+        lateness = {name: statistics.median(self.lateness[name]) for name in names}
+        median_step = statistics.median(self.step_ms)
+        threshold = self.threshold_ms or max(1.0, 0.15 * median_step)
+        return {"step": step, "replicas": list(names), "lateness_ms": lateness,
+                "slowest": max(lateness, key=lateness.get),
+                "stragglers": [n for n in names if lateness[n] > threshold],
+                "threshold_ms": threshold, "median_step_ms": median_step,
+                "late_steps": {n: self.late_steps[n] for n in names},
+                "interval": self.interval, "window": self.window, "measured": True}
