@@ -35,6 +35,7 @@ forward, so the healing replica's first backward already has the others' layout)
 See docs/FAULT_TOLERANCE.md.
 """
 import collections
+import inspect
 import logging
 import statistics
 import time
@@ -43,6 +44,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .core.validation import health_option_names, health_settings
 from .core.wrapper import FusedReducer
 from .errors import FusedReducerError, NonFiniteGradientError
 
@@ -323,8 +325,6 @@ def state_dict_fns(model, optimizer=None):
 # all-reduces, so the replica that waited least is the latest; lateness = the largest slack
 # minus its own (no clock agreement across hosts). A replica slow before the quorum (its
 # optimizer.zero_grad()) makes the others wait in the quorum instead, which is not seen here.
-_HEALTH_DEFAULTS = {"check_finite": False, "straggler_interval": 10, "straggler_window": 10,
-                    "straggler_threshold_ms": None, "straggler_warn_steps": 20}
 _NAMED_PARAMS = 3  # parameters named per replica in the error
 _ID_CHARS = 64  # characters of a replica id carried in its row
 # The row of one replica: its non-finite elements, the parameters with any, (index, count) of
@@ -338,14 +338,15 @@ _ROW = _ID + _ID_CHARS
 
 
 def take_health_settings(kwargs):
-    """Pop FusedReducer's health keywords from `kwargs` (validated as FusedReducer validates
-    them) and turn the C++ checks off: across replica groups they run in ReplicaHealth."""
-    from .core.validation import health_settings
-    settings = {name: kwargs.pop(name, default) for name, default in _HEALTH_DEFAULTS.items()}
-    health_settings(**settings)
+    """Pop FusedReducer's health keywords from `kwargs` (FusedReducer's defaults, validated as
+    FusedReducer validates them) and turn the C++ checks off: across replica groups they run in
+    ReplicaHealth."""
+    defaults = inspect.signature(FusedReducer.__init__).parameters
+    given = {name: kwargs.pop(name, defaults[name].default) for name in health_option_names()}
+    health_settings(given)
     kwargs["check_finite"] = False
     kwargs["straggler_interval"] = 0
-    return settings
+    return given
 
 
 class ReplicaHealth:
