@@ -29,11 +29,17 @@ of the layout in force, and loading it makes the next forward rebuild exactly th
 if the limits are changed after the heal and before that forward, as every replica changes them
 at that step, the layout of the new limits from that order, as on every replica).
 
-This slice: replica groups of one rank (the FusedReducer's process group is the replica's own
-one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is applied before the
-forward, so the healing replica's first backward already has the others' layout).
-See docs/FAULT_TOLERANCE.md.
+A replica group of several ranks (``process_group``, by default the default group that torchrun
+gives each replica group; every rank has its own Manager, ``Manager(rank=group rank,
+world_size=group size)``): each bucket is reduced inside the group over its process group and
+across groups by each rank's Manager, which joins the same group rank of every replica group
+(``GroupReduction``, below). Synchronous quorum only (``use_async_quorum=False``: the heal is
+applied before the forward, so the healing replica's first backward already has the others'
+layout). See docs/FAULT_TOLERANCE.md.
 """
+import math
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -56,7 +62,8 @@ _torchft = _import_torchft()
 from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
 
 __all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
-           "state_dict_fns", "reducer_state", "load_reducer_state"]
+           "GroupReduction", "group_hook", "GROUP_REDUCTIONS", "state_dict_fns", "reducer_state",
+           "load_reducer_state"]
 
 Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
 OptimizerWrapper = Optimizer
@@ -86,22 +93,14 @@ def _reducer_of(model):
     return attachment.reducer
 
 
-def _own_group(process_group):
-    """The replica's one-rank process group (the FusedReducer reduces nothing inside it)."""
+def _replica_group(process_group):
+    """The replica group's own process group: the one given, the default one (what torchrun
+    starts for a replica group), or, with neither, a world of one (nothing to rendezvous with)."""
     if process_group is not None:
-        group = process_group
-    elif dist.is_initialized():
-        group = dist.group.WORLD
-    else:
-        # The replica group's own world of one: nothing to rendezvous with.
+        return process_group
+    if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-    if dist.get_world_size(group) != 1:
-        raise NotImplementedError(
-            "fused_reducer.torchft.DistributedDataParallel: replica groups of more than one rank "
-            f"(this process group has {dist.get_world_size(group)}) are not supported yet "
-            "(issue 47, part 2); run one rank per replica group")
-    return group
+    return dist.group.WORLD
 
 
 def _collective_of(work):
@@ -154,6 +153,122 @@ def fault_tolerant_hook(manager, bucket):
     return _managed_future(manager, work, tensor, manager.num_participants())
 
 
+# -- replica groups of several ranks -----------------------------------------------------------
+# How a bucket is reduced in a replica group of several ranks (docs/FAULT_TOLERANCE.md has the
+# measurement behind the default):
+#   "reduce_scatter": reduce-scatter inside the group, the fault-tolerant all-reduce of this
+#                     rank's 1/N shard across groups, all-gather inside the group;
+#   "all_reduce":     all-reduce inside the group, the fault-tolerant all-reduce of the whole
+#                     bucket across groups.
+GROUP_REDUCTIONS = ("reduce_scatter", "all_reduce")
+DEFAULT_GROUP_REDUCTION = "reduce_scatter"
+
+
+class GroupReduction:
+    """The reduction of one rank of a replica group of several ranks, as the comm hook's state.
+
+    Every bucket's chain (inside, across, inside) runs on one worker thread, bucket after bucket
+    in launch order: every rank then issues its group's collectives and its Manager's in the
+    same order (gloo matches collectives by their order), and backward goes on while the worker
+    reduces; the reducer waits for the buckets once, at the end of backward.
+
+    The average is over the step's global batch: the sum over the participating groups' ranks
+    divided by ``num_participants() * group size`` (a healing group contributes zeros: its
+    Manager zeroes its tensor). Every tensor that crosses groups carries one more element, the
+    group's size, so a quorum of groups of different sizes (whose average would be wrong) is
+    caught at every step: the sum of sizes must be ``num_participants() * group size``."""
+
+    def __init__(self, manager, group, method=DEFAULT_GROUP_REDUCTION):
+        if method not in GROUP_REDUCTIONS:
+            raise FusedReducerError(
+                f"fused_reducer.torchft: group_reduction must be one of {GROUP_REDUCTIONS}, "
+                f"got {method!r}")
+        self.manager = manager
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.method = method
+        self._worker = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix="fused_reducer_ft_group")
+
+    def launch(self, flat):
+        """A Future of the averaged `flat` (a bucket), reduced on the worker thread."""
+        result = torch.futures.Future()
+        self._worker.submit(self._reduce, flat, result)
+        return result
+
+    def close(self):
+        self._worker.shutdown(wait=False)
+
+    def _reduce(self, flat, result):
+        try:
+            if self.method == "reduce_scatter":
+                result.set_result(self._reduce_scatter_chain(flat))
+            else:
+                result.set_result(self._all_reduce_chain(flat))
+        except BaseException as e:  # noqa: BLE001 - raised by the reducer at the end of backward
+            result.set_exception(e)
+
+    def _all_reduce_chain(self, flat):
+        wire = flat.new_empty(flat.numel() + 1)
+        wire[:-1].copy_(flat)
+        wire[-1] = 1  # every rank counts itself: the group's sum is its size
+        self._inside(dist.all_reduce, wire)
+        self._across(wire)
+        return wire[:-1]
+
+    def _reduce_scatter_chain(self, flat):
+        numel, size = flat.numel(), self.group_size
+        shard_numel = math.ceil(numel / size)
+        if shard_numel * size == numel:
+            whole = flat  # no copy: reduce-scattered from, and all-gathered into, the bucket
+        else:
+            whole = flat.new_zeros(shard_numel * size)
+            whole[:numel].copy_(flat)
+        wire = flat.new_empty(shard_numel + 1)
+        self._inside(dist.reduce_scatter_tensor, wire[:-1], whole)
+        wire[-1] = size
+        self._across(wire)
+        self._inside(dist.all_gather_into_tensor, whole, wire[:-1])
+        return whole[:numel]
+
+    def _inside(self, collective, *tensors):
+        try:
+            collective(*tensors, group=self.group)
+        except Exception as e:
+            error = FusedReducerError(
+                "fused_reducer.torchft: a collective inside this replica group failed (a rank of "
+                f"the group died or stopped answering: {e}); the group cannot go on with that "
+                "process group: restart the whole replica group (torchrun does), it then heals "
+                "from a live group")
+            self.manager.report_error(error)
+            raise error from e
+
+    def _across(self, wire):
+        """The fault-tolerant all-reduce (SUM, then divided by the global number of ranks) of
+        `wire` across the groups, waited for; then the group-size check."""
+        manager = self.manager
+        work = manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM)
+        participants = manager.num_participants()
+        _managed_future(manager, work, wire, participants * self.group_size).wait()
+        if manager.errored() is not None:
+            return  # the step will not be committed; the buffer is unreduced
+        ranks = wire[-1].item() * participants * self.group_size
+        if round(ranks) != participants * self.group_size:
+            error = FusedReducerError(
+                f"fused_reducer.torchft: the {participants} participating replica groups have "
+                f"{ranks:g} ranks in all, but this group has {self.group_size}: every replica "
+                "group must have the same number of ranks (the same --nproc-per-node for every "
+                "torchrun), or the average would be wrong")
+            manager.report_error(error)
+            raise error
+
+
+def group_hook(reduction, bucket):
+    """The communication hook of a replica group of several ranks (state: its
+    GroupReduction)."""
+    return reduction.launch(bucket.buffer())
+
+
 class DistributedDataParallel(FusedReducer):
     """``torchft.DistributedDataParallel(manager, module)`` with FusedReducer as the reducer:
     every keyword is FusedReducer's (``first_bucket_mb``, ``bucket_cap_mb``, ``last_bucket_mb``,
@@ -163,11 +278,13 @@ class DistributedDataParallel(FusedReducer):
         "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
         "its shards would span torchft replica groups, whose membership changes at every "
         "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
-        "group receives whole-model state). Use a plain optimizer wrapped in "
-        "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
-        "whole optimizer state, and healing copies it.")
+        "group receives whole-model state); sharding within a replica group of several ranks "
+        "is not supported yet either. Use a plain optimizer wrapped in "
+        "fused_reducer.torchft.Optimizer(manager, optimizer): every rank keeps the whole "
+        "optimizer state, and healing copies it.")
 
-    def __init__(self, manager, module, process_group=None, **kwargs):
+    def __init__(self, manager, module, process_group=None,
+                 group_reduction=DEFAULT_GROUP_REDUCTION, **kwargs):
         for name, why in _REFUSED.items():
             if kwargs.get(name):
                 raise FusedReducerError(
@@ -180,14 +297,21 @@ class DistributedDataParallel(FusedReducer):
                 "the live state only in should_commit(), after a backward whose buckets were "
                 "laid out before the heal, so its collectives would not match the others'")
         # Every replica initialises its own parameters; the Manager heals the differences
-        # (torchft's DDP too skips DDP's initial broadcast).
+        # (torchft's DDP too skips DDP's initial broadcast). Inside a replica group of several
+        # ranks, DDP's initial broadcast would be the group's own: the Manager's heal covers it.
         kwargs.setdefault("init_sync", False)
-        super().__init__(module, process_group=_own_group(process_group), **kwargs)
+        group = _replica_group(process_group)
+        super().__init__(module, process_group=group, **kwargs)
         self.manager = manager
         # After a heal: the received limits and the sender's bucket_parameter_names, checked by
         # the next forward.
         self.expected_layout = None
-        self.register_comm_hook(manager, fault_tolerant_hook)
+        if dist.get_world_size(group) == 1:
+            self.group_reduction = None
+            self.register_comm_hook(manager, fault_tolerant_hook)
+        else:
+            self.group_reduction = GroupReduction(manager, group, group_reduction)
+            self.register_comm_hook(self.group_reduction, group_hook)
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)  # applies a received layout (a rebuild)
@@ -204,13 +328,20 @@ class DistributedDataParallel(FusedReducer):
         return out
 
     def register_comm_hook(self, state, hook):
-        if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
+        if self.__dict__.get("_ft_hook_registered") or hook not in (fault_tolerant_hook,
+                                                                     group_hook):
             raise FusedReducerError(
                 "fused_reducer.torchft.DistributedDataParallel reduces every bucket through the "
                 "Manager's fault-tolerant all-reduce; another communication hook cannot be "
                 "registered")
         super().register_comm_hook(state, hook)
         self._ft_hook_registered = True
+
+    def close(self):
+        super().close()
+        reduction = self.__dict__.get("group_reduction")
+        if reduction is not None:
+            reduction.close()
 
 
 # -- the state a healing replica receives ----------------------------------------------------------
