@@ -141,10 +141,11 @@ def committers(all_records):
 def replay(all_records):
     """Float64 parameters after the committed steps: at each, the batches of every rank of the
     participating replica groups (the global batch), their gradients averaged, torch's SGD with
-    momentum. A replica group's records come from each of its ranks (same `replica`). Checks that the committed steps are 0..n-1 and
-    that every committed step's set of committing replicas has as many members as the Manager
-    counted participants (a replica that contributed and is not in the log would otherwise go
-    unnoticed). Returns (named parameters, committed steps, {step: replicas})."""
+    momentum. A replica group's records come from each of its ranks (same `replica`). Checks
+    that the committed steps are 0..n-1 and that every committed step's set of committing
+    replicas has as many members as the Manager counted participants (a replica that
+    contributed and is not in the log would otherwise go unnoticed). Returns (named parameters,
+    committed steps, {step: replicas})."""
     committed, counts = committers(all_records)
     steps = sorted(committed)
     assert steps == list(range(len(steps))), f"committed steps are not 0..n-1: {steps}"

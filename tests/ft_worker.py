@@ -6,13 +6,14 @@ them; rank 0 holds the group's TCPStore and writes its port to <out>/replica<R>.
 
     python tests/ft_worker.py CONFIG_JSON
 
-Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
-<out>/<member>.log (member_name below): one per step after should_commit (committed or not, participants, what the
-buckets did, how many heals this process received, the time), then the final parameters to
-<out>/<member>.pt. tests/ft_common.py starts replicas and replays the committed steps in
-float64 from these logs (for the test and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
-its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
-"after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
+Every replica trains the same model (seeded alike) on batch(step, replica, rank=rank) and
+writes JSON lines to <out>/<member>.log (member_name below): one per step after should_commit
+(committed or not, participants, what the buckets did, the heals this process received and from
+which group rank, the time), then the final parameters to <out>/<member>.pt.
+tests/ft_common.py starts replicas and replays the committed steps in float64 from these logs
+(for the tests and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself
+(SIGKILL, its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets
+went out, "after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
 """
 import json
 import os
@@ -136,11 +137,14 @@ def main():
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         load, save = ft.state_dict_fns(model, inner)
 
-        def counted_load(state):  # how many times this replica healed (in its records)
-            heals.append(manager.current_step())
+        def counted_load(state):  # how many times this replica healed, from which group rank
+            heals.append(state["sender_rank"])
             load(state)
 
-        manager.register_state_dict_fn("fused_reducer", counted_load, save)
+        def labelled_save():
+            return dict(save(), sender_rank=rank)
+
+        manager.register_state_dict_fn("fused_reducer", counted_load, labelled_save)
     else:  # torchft's own DDP, for comparison (bench/, the report)
         model = torchft.DistributedDataParallel(manager, make_model())
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -263,6 +267,7 @@ def main():
             "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
             "heals": len(heals),
+            "healed_from_ranks": heals,
             "quorum": manager._quorum_id,
             "time": time.time(),
         }

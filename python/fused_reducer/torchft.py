@@ -62,8 +62,8 @@ _torchft = _import_torchft()
 from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
 
 __all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
-           "GroupReduction", "group_hook", "GROUP_REDUCTIONS", "state_dict_fns", "reducer_state",
-           "load_reducer_state"]
+           "GroupReduction", "group_hook", "GROUP_REDUCTIONS", "DEFAULT_GROUP_REDUCTION",
+           "state_dict_fns", "reducer_state", "load_reducer_state"]
 
 Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
 OptimizerWrapper = Optimizer
@@ -154,14 +154,17 @@ def fault_tolerant_hook(manager, bucket):
 
 
 # -- replica groups of several ranks -----------------------------------------------------------
-# How a bucket is reduced in a replica group of several ranks (docs/FAULT_TOLERANCE.md has the
-# measurement behind the default):
-#   "reduce_scatter": reduce-scatter inside the group, the fault-tolerant all-reduce of this
-#                     rank's 1/N shard across groups, all-gather inside the group;
+# How a bucket is reduced in a replica group of several ranks:
 #   "all_reduce":     all-reduce inside the group, the fault-tolerant all-reduce of the whole
-#                     bucket across groups.
-GROUP_REDUCTIONS = ("reduce_scatter", "all_reduce")
-DEFAULT_GROUP_REDUCTION = "reduce_scatter"
+#                     bucket across groups;
+#   "reduce_scatter": reduce-scatter inside the group, the fault-tolerant all-reduce of this
+#                     rank's 1/N shard across groups, all-gather inside the group (1/N of the
+#                     bytes across groups, where the links are usually the slowest).
+# The default is the faster one measured (bench/ft_groups_bench.py, docs/FAULT_TOLERANCE.md):
+# on gloo a reduce-scatter plus an all-gather cost about twice an all-reduce, more than the
+# shard saves across groups.
+GROUP_REDUCTIONS = ("all_reduce", "reduce_scatter")
+DEFAULT_GROUP_REDUCTION = "all_reduce"
 
 
 class GroupReduction:
@@ -225,10 +228,10 @@ class GroupReduction:
             whole = flat.new_zeros(shard_numel * size)
             whole[:numel].copy_(flat)
         wire = flat.new_empty(shard_numel + 1)
-        self._inside(dist.reduce_scatter_tensor, wire[:-1], whole)
+        self._inside(dist.reduce_scatter_single, wire[:-1], whole)
         wire[-1] = size
         self._across(wire)
-        self._inside(dist.all_gather_into_tensor, whole, wire[:-1])
+        self._inside(dist.all_gather_single, whole, wire[:-1])
         return whole[:numel]
 
     def _inside(self, collective, *tensors):
