@@ -167,6 +167,13 @@ GROUP_REDUCTIONS = ("all_reduce", "reduce_scatter")
 DEFAULT_GROUP_REDUCTION = "all_reduce"
 
 
+def _check_group_reduction(method):
+    if method not in GROUP_REDUCTIONS:
+        raise FusedReducerError(
+            f"fused_reducer.torchft: group_reduction must be one of {GROUP_REDUCTIONS}, "
+            f"got {method!r}")
+
+
 class GroupReduction:
     """The reduction of one rank of a replica group of several ranks, as the comm hook's state.
 
@@ -182,10 +189,7 @@ class GroupReduction:
     caught at every step: the sum of sizes must be ``num_participants() * group size``."""
 
     def __init__(self, manager, group, method=DEFAULT_GROUP_REDUCTION):
-        if method not in GROUP_REDUCTIONS:
-            raise FusedReducerError(
-                f"fused_reducer.torchft: group_reduction must be one of {GROUP_REDUCTIONS}, "
-                f"got {method!r}")
+        _check_group_reduction(method)
         self.manager = manager
         self.group = group
         self.group_size = dist.get_world_size(group)
@@ -275,7 +279,10 @@ def group_hook(reduction, bucket):
 class DistributedDataParallel(FusedReducer):
     """``torchft.DistributedDataParallel(manager, module)`` with FusedReducer as the reducer:
     every keyword is FusedReducer's (``first_bucket_mb``, ``bucket_cap_mb``, ``last_bucket_mb``,
-    ``reduce_dtype``, ...). See the module's docstring."""
+    ``reduce_dtype``, ...). ``process_group``: the replica group's own (default: the default
+    group, what torchrun starts for the group); with more than one rank, ``group_reduction``
+    (one of GROUP_REDUCTIONS) says how a bucket is reduced inside and across groups. See the
+    module's docstring."""
 
     sharded_optimizer_refusal = (
         "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
@@ -288,6 +295,7 @@ class DistributedDataParallel(FusedReducer):
 
     def __init__(self, manager, module, process_group=None,
                  group_reduction=DEFAULT_GROUP_REDUCTION, **kwargs):
+        _check_group_reduction(group_reduction)  # also where a one-rank group does not use it
         for name, why in _REFUSED.items():
             if kwargs.get(name):
                 raise FusedReducerError(
