@@ -100,6 +100,67 @@ def test_group_reduction_averages_over_global_ranks_and_refuses_groups_of_other_
         reduction.close()
 
 
+class OneGroupManager:
+    """What the adapter calls on a Manager, for a quorum of this replica group alone (no
+    Lighthouse): the all-reduce across groups leaves the tensor as it is, completed."""
+    _use_async_quorum = False
+
+    def allreduce(self, tensor, reduce_op=None):
+        done = torch.futures.Future()
+        done.set_result([tensor])
+        return SimpleNamespace(_work=SimpleNamespace(get_future=lambda: done))
+
+    def num_participants(self):
+        return 1
+
+    def wrap_future(self, fut, default):
+        return fut
+
+    def report_error(self, e):
+        raise AssertionError(f"unexpected error reported to the Manager: {e}")
+
+    def errored(self):
+        return None
+
+
+def one_group_of_two_ranks(rank, world_size):
+    """On each of 2 spawned ranks (one replica group; tests/dist_utils.py's gloo group): what is
+    refused with a group of several ranks, then one step per method: every rank's gradients
+    are the average over both ranks' batches."""
+    import ft_worker
+    from fused_reducer import ShardedOptimizer
+
+    with pytest.raises(FusedReducerError, match="find_unused_parameters=True is not supported"):
+        ft.DistributedDataParallel(OneGroupManager(), ft_worker.make_model(),
+                                   find_unused_parameters=True)
+    reference = ft_worker.make_model(torch.float64)
+    for r in range(world_size):
+        x, y = ft_worker.batch(0, 0, torch.float64, rank=r)
+        (ft_worker.loss_fn(reference(x), y) / world_size).backward()
+    errors = {}
+    for method in ft.GROUP_REDUCTIONS:
+        model = ft.DistributedDataParallel(OneGroupManager(), ft_worker.make_model(),
+                                           first_bucket_mb=0.004, bucket_cap_mb=0.04,
+                                           group_reduction=method)
+        if method == ft.GROUP_REDUCTIONS[0]:
+            with pytest.raises(FusedReducerError, match="within a replica group"):
+                ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+        x, y = ft_worker.batch(0, 0, rank=rank)
+        ft_worker.loss_fn(model(x), y).backward()
+        errors[method] = max((p.grad.double() - q.grad).abs().max().item()
+                             for p, q in zip(model.module.parameters(), reference.parameters()))
+        model.close()
+    return errors
+
+
+def test_one_group_of_two_ranks_averages_inside_and_refuses():
+    """Both methods average over the group's ranks (stand-in Manager: the group alone);
+    find_unused_parameters and ShardedOptimizer are refused with a group of several ranks."""
+    from dist_utils import run_ranks
+    for errors in run_ranks(one_group_of_two_ranks, 2):
+        assert all(e < 1e-6 for e in errors.values()), errors
+
+
 def group_configs(**cfg):
     return {key: dict(group_size=RANKS, final_participants=GROUPS, **cfg) for key in MEMBERS}
 

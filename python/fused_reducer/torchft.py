@@ -312,6 +312,13 @@ class DistributedDataParallel(FusedReducer):
         # ranks, DDP's initial broadcast would be the group's own: the Manager's heal covers it.
         kwargs.setdefault("init_sync", False)
         group = _replica_group(process_group)
+        if dist.get_world_size(group) > 1 and kwargs.get("find_unused_parameters"):
+            raise FusedReducerError(
+                "fused_reducer.torchft.DistributedDataParallel: find_unused_parameters=True is "
+                "not supported with a replica group of several ranks yet: the reducer's "
+                "all-reduce of the used parameters would run on the group's process group "
+                "beside the buckets' reductions (issued from another thread), in an order that "
+                "can differ between ranks")
         super().__init__(module, process_group=group, **kwargs)
         self.manager = manager
         # After a heal: the received limits and the sender's bucket_parameter_names, checked by
