@@ -339,7 +339,7 @@ class DistributedDataParallel(FusedReducer):
             # Limits changed since the heal (every replica changes them at the same step, after
             # the quorum): every replica rebuilds from the same order with the new limits, so
             # the sender's layout from before the change is not the one to expect.
-            if _limits(self) == limits and got != expected:
+            if expected is not None and _limits(self) == limits and got != expected:
                 raise FusedReducerError(
                     "fused_reducer.torchft: after healing, this replica's buckets differ from "
                     f"the live replica's: {got} != {expected}")
@@ -364,11 +364,21 @@ class DistributedDataParallel(FusedReducer):
 
 # -- the state a healing replica receives ----------------------------------------------------------
 def reducer_state(model):
-    """What a replica joining at this step needs to lay out its buckets as `model` does: the
-    limits and the parameter order of the layout in force (by name) and the bucket parameter
-    names it must produce."""
+    """What a replica joining at this step needs to lay out its buckets as `model` does at its
+    next forward: the limits and the parameter order (by name) of the layout it will have, and
+    the bucket parameter names it must produce (None where they are only known after that
+    forward)."""
     reducer = _reducer_of(model)
-    order = [i for bucket in reducer.bucket_params() for i in bucket]
+    stats = reducer.stats()
+    if stats["step"] >= 1 and stats["rebuilds"] == 0:
+        # After the first backward and before the next forward (a heal at step 1): that forward
+        # rebuilds from the gradient-ready order just observed, as DDP does, not the layout in
+        # force (found by a replica group joining a peer that had trained one step alone).
+        order = list(reducer.last_ready_order())
+        expected = None
+    else:
+        order = [i for bucket in reducer.bucket_params() for i in bucket]
+        expected = [list(b) for b in model.bucket_parameter_names()]
     names = _param_names(model)
     dtype = model.reduce_dtype
     return {
@@ -376,7 +386,7 @@ def reducer_state(model):
         "last_bucket_bytes": int(model.last_bucket_bytes),
         "reduce_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
         "layout_order": [names[i] for i in order],
-        "bucket_parameter_names": [list(b) for b in model.bucket_parameter_names()],
+        "bucket_parameter_names": expected,
     }
 
 
@@ -401,7 +411,9 @@ def load_reducer_state(model, state):
     dtype = state["reduce_dtype"]
     model.reduce_dtype = None if dtype is None else getattr(torch, dtype)
     _reducer_of(model).request_rebuild_from_order([index[n] for n in order])
-    model.expected_layout = (_limits(model), [list(b) for b in state["bucket_parameter_names"]])
+    expected = state["bucket_parameter_names"]
+    model.expected_layout = (_limits(model),
+                             None if expected is None else [list(b) for b in expected])
 
 
 def _limits(model):
