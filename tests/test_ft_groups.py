@@ -267,3 +267,24 @@ def test_killed_rank_group_restarted_heals_per_rank(tmp_path, lighthouse):
     for key, final in finals.items():
         assert max_error(final, reference) < TOLERANCE, key
         assert max_error(final, {n: t.double() for n, t in finals[MEMBERS[0]].items()}) == 0.0
+
+
+def test_forget_dead_attempt_keys_removes_the_dead_managers_address(monkeypatch):
+    """In a restarted torchrun attempt, fused_reducer.torchft.forget_dead_attempt_keys removes
+    what the dead attempt's Manager left in torchrun's store (its server's address, the replica
+    id: a restarted rank other than 0 would connect to the dead server) with torch's default-group
+    keys, and nothing else."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0",
+           "WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RESTART_COUNT": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    dead = {"manager_addr": "http://dead:1", "replica_id": "train_1:dead", "default_pg/0//0": "x"}
+    for key, value in dict(dead, **{"trainer/epoch": "3"}).items():
+        store.set(key, value)
+    assert not dist.is_initialized()
+    removed = ft.forget_dead_attempt_keys()["removed"]
+    assert sorted(removed) == sorted(dead)
+    assert sorted(store.list_keys()) == sorted(["trainer/epoch",
+                                                "fused_reducer/elastic/attempt1/forgotten"])

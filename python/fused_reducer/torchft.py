@@ -39,12 +39,14 @@ layout). See docs/FAULT_TOLERANCE.md.
 """
 import math
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .core.wrapper import FusedReducer
 from .errors import FusedReducerError
+from .transports import elastic
 
 _EXTRA_HINT = ("pip install fused_reducer[ft] (or: pip install --no-build-isolation .[ft] from a "
                "checkout), which installs torchft==0.2.0")
@@ -60,10 +62,11 @@ def _import_torchft():
 
 _torchft = _import_torchft()
 from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
+from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY  # noqa: E402
 
 __all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
            "GroupReduction", "group_hook", "GROUP_REDUCTIONS", "DEFAULT_GROUP_REDUCTION",
-           "state_dict_fns", "reducer_state", "load_reducer_state"]
+           "state_dict_fns", "reducer_state", "load_reducer_state", "forget_dead_attempt_keys"]
 
 Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
 OptimizerWrapper = Optimizer
@@ -441,3 +444,14 @@ def state_dict_fns(model, optimizer=None):
         load_reducer_state(model, state["reducer"])
 
     return load_state_dict, state_dict
+
+
+# -- torchrun restarts ----------------------------------------------------------------------------
+def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
+    """fused_reducer.transports.elastic.forget_dead_attempt_keys, and the keys torchft's Manager
+    left in torchrun's store in the dead attempt (group rank 0's Manager server address and the
+    replica id): in a restarted replica group, a rank other than 0 would otherwise read the dead
+    server's address before rank 0 writes the new one, and wait for it until connect_timeout
+    (found with scripts/ft_groups_torchrun.py). Call on every rank before
+    ``dist.init_process_group()`` and the Manager."""
+    return elastic.forget_dead_attempt_keys(timeout, also=(MANAGER_ADDR_KEY, REPLICA_ID_KEY))
