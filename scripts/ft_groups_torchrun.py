@@ -87,7 +87,8 @@ def worker(args):
             inner.step()
         with open(log_path, "a") as f:
             f.write(json.dumps(dict(base, step=step, commit=committed,
-                                    participants=manager.num_participants())) + "\n")
+                                    participants=manager.num_participants(),
+                                    time=time.time())) + "\n")
         steps_here += 1
         time.sleep(0.05)
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()},
@@ -101,7 +102,10 @@ def run_once(args):
     from torchft._torchft import LighthouseServer
 
     out = tempfile.mkdtemp(prefix="ft_groups_torchrun_")
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
+    # A join timeout longer than a failed step (up to the Managers' 10 s timeout): a restarted
+    # group waits for the live group's next quorum request instead of forming a quorum of its
+    # own (with min_replicas 1 it can: it then trains alone from step 0 until the quorums merge).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000)
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), RUST_LOG="warn")
     torchruns = []
     for group in range(GROUPS):
