@@ -114,6 +114,12 @@ def main():
     from torchft import Manager, ProcessGroupGloo
     import fused_reducer.torchft as ft
 
+    if cfg.get("hold"):
+        # Started, imports done, held before its Manager exists: a Manager that heartbeats
+        # without asking for a quorum would hold the Lighthouse's quorums back (it wants more
+        # than half of the heartbeating replicas), which no restarted replica does.
+        while not os.path.exists(cfg["hold"]):
+            time.sleep(0.01)
     timeout = timedelta(seconds=cfg.get("timeout_s", 10))
     store = group_store(out_dir, replica, rank)
     if group_size > 1:  # the replica group's own process group, as torchrun would make it

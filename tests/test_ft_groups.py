@@ -231,12 +231,12 @@ def test_killed_rank_group_restarted_heals_per_rank(tmp_path, lighthouse):
     killed = [rec for rec in records(tmp_path, (1, 1)) if "killed" in rec]
     assert killed and killed[0]["killed"] == kill_step and 1 <= killed[0]["launched"] < 3, killed
     first_pids = {key: procs[key].pid for key in MEMBERS}
-    # Group 1 restarted at once (its processes start up meanwhile), but let it train only once
-    # group 0 has committed a step alone: it goes on without its peer group.
+    # Group 1 restarted at once (its processes import meanwhile), held before its Managers
+    # exist until group 0 has committed a step alone: it goes on without its peer group.
     os.remove(os.path.join(tmp_path, "replica1.store"))  # group 1's next store is a new one
     go_again = os.path.join(tmp_path, "go_restarted")
     for r in range(RANKS):
-        procs[(1, r)] = start(tmp_path, (1, r), lighthouse, restarted=True, go=go_again,
+        procs[(1, r)] = start(tmp_path, (1, r), lighthouse, restarted=True, hold=go_again,
                               **configs[(1, 0)])
     while not any(rec.get("commit") and rec["participants"] == 1
                   for r in range(RANKS) for rec in records(tmp_path, (0, r))):
