@@ -14,6 +14,8 @@ tests/ft_common.py starts replicas and replays the committed steps in float64 fr
 (for the tests and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself
 (SIGKILL, its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets
 went out, "after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
+`go`: wait for that file once the Manager is up (replicas started together); `hold`: wait for
+that file before the Manager exists (a restart let go later).
 """
 import json
 import os
