@@ -1,5 +1,9 @@
 """Replicas of tests/ft_worker.py as processes, their logs, and the float64 replay of their
-committed steps: shared by tests/test_fault_tolerance.py and scripts/ft_stress.py.
+committed steps: shared by tests/test_fault_tolerance.py, tests/test_ft_groups.py and
+scripts/ft_stress.py.
+
+A member is a replica group of one rank (its replica number, an int) or one rank of a group of
+several ((replica, rank)); the functions below take either.
 
 Bounded: every replica gives up after `max_s`; wait_all kills (by pid) only the processes it was
 given that outlive their deadline.
@@ -27,25 +31,37 @@ def start_lighthouse(min_replicas=1):
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000)
 
 
-def start(out, replica, lighthouse, max_s=WAIT_S - 30, **cfg):
-    """Replica `replica` as a process: tests/ft_worker.py with its config (see there), output
-    to <out>/replica<R>.out (appended: a restarted replica writes after its first life)."""
+def member(key):
+    """(replica, rank) of a member key; rank None for a replica group of one rank."""
+    return key if isinstance(key, tuple) else (key, None)
+
+
+def name(key):
+    return ft_worker.member_name(*member(key))
+
+
+def start(out, key, lighthouse, max_s=WAIT_S - 30, **cfg):
+    """Member `key` as a process: tests/ft_worker.py with its config (see there), output
+    to <out>/<name>.out (appended: a restarted replica writes after its first life)."""
+    replica, rank = member(key)
+    if rank is not None:
+        cfg["rank"] = rank
     cfg = dict(replica=replica, out=str(out), lighthouse=lighthouse, max_s=max_s, **cfg)
     # The package the tests import (installed, or the checkout's python/ on PYTHONPATH), and
     # the tests' own helpers.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    log = open(os.path.join(out, f"replica{replica}.out"), "ab")
+    log = open(os.path.join(out, f"{name(key)}.out"), "ab")
     return subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def start_together(out, lighthouse, configs, ready_s=60):
-    """Start the replicas of `configs` ({replica: cfg}) and let them train once every Manager
+    """Start the members of `configs` ({key: cfg}) and let them train once every Manager
     is up (heartbeating), so that the first quorum has them all."""
     go = os.path.join(out, "go")
     procs = {r: start(out, r, lighthouse, go=go, **cfg) for r, cfg in configs.items()}
     deadline = time.monotonic() + ready_s
-    while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in configs):
+    while not all(os.path.exists(os.path.join(out, f"ready_{name(r)}")) for r in configs):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
             wait_all(procs, out, time.monotonic(), check=False)
             raise AssertionError(f"a replica did not get ready within {ready_s} s:\n" +
@@ -76,21 +92,21 @@ def output_tails(out, replicas, chars=3000):
     tails = {}
     for r in replicas:
         try:
-            tails[r] = open(os.path.join(out, f"replica{r}.out"), errors="replace").read()[-chars:]
+            tails[r] = open(os.path.join(out, f"{name(r)}.out"), errors="replace").read()[-chars:]
         except FileNotFoundError:
             tails[r] = "(no output)"
     return "\n".join(f"--- replica {r}\n{t}" for r, t in tails.items())
 
 
-def records(out, replica):
-    path = os.path.join(out, f"replica{replica}.log")
+def records(out, key):
+    path = os.path.join(out, f"{name(key)}.log")
     return [json.loads(line) for line in open(path)]
 
 
-def records_or_none(out, replica):
+def records_or_none(out, key):
     """The step records written so far (none yet, or a line being written: [])."""
     try:
-        return [rec for rec in records(out, replica) if "step" in rec]
+        return [rec for rec in records(out, key) if "step" in rec]
     except (FileNotFoundError, json.JSONDecodeError):
         return []
 
@@ -123,14 +139,17 @@ def committers(all_records):
 
 
 def replay(all_records):
-    """Float64 parameters after the committed steps: at each, the participants' batches, their
-    gradients averaged, torch's SGD with momentum. Checks that the committed steps are 0..n-1 and
-    that every committed step's set of committing replicas has as many members as the Manager
-    counted participants (a replica that contributed and is not in the log would otherwise go
-    unnoticed). Returns (named parameters, committed steps, {step: replicas})."""
+    """Float64 parameters after the committed steps: at each, the batches of every rank of the
+    participating replica groups (the global batch), their gradients averaged, torch's SGD with
+    momentum. A replica group's records come from each of its ranks (same `replica`). Checks
+    that the committed steps are 0..n-1 and that every committed step's set of committing
+    replicas has as many members as the Manager counted participants (a replica that
+    contributed and is not in the log would otherwise go unnoticed). Returns (named parameters,
+    committed steps, {step: replicas})."""
     committed, counts = committers(all_records)
     steps = sorted(committed)
     assert steps == list(range(len(steps))), f"committed steps are not 0..n-1: {steps}"
+    group_size = {rec["replica"]: rec.get("group_size", 1) for rec in all_records}
     model = ft_worker.make_model(torch.float64)
     params = list(model.parameters())
     buffers = None
@@ -138,12 +157,13 @@ def replay(all_records):
         who = sorted(committed[step])
         assert counts[step] == {len(who)}, (step, who, counts[step])
         grads = [torch.zeros_like(p) for p in params]
-        for replica in who:
+        ranks = [(replica, rank) for replica in who for rank in range(group_size[replica])]
+        for replica, rank in ranks:
             model.zero_grad()
-            x, y = ft_worker.batch(step, replica, torch.float64)
+            x, y = ft_worker.batch(step, replica, torch.float64, rank=rank)
             ft_worker.loss_fn(model(x), y).backward()
             for g, p in zip(grads, params):
-                g += p.grad / len(who)
+                g += p.grad / len(ranks)
         with torch.no_grad():
             if buffers is None:
                 buffers = [g.clone() for g in grads]
@@ -159,5 +179,5 @@ def max_error(final, reference):
     return max((final[n].double() - reference[n]).abs().max().item() for n in reference)
 
 
-def final_parameters(out, replica):
-    return torch.load(os.path.join(out, f"replica{replica}.pt"))
+def final_parameters(out, key):
+    return torch.load(os.path.join(out, f"{name(key)}.pt"))

@@ -1,15 +1,21 @@
-"""One torchft replica group (one rank) training through fused_reducer.torchft, for
-tests/test_fault_tolerance.py: run as a process by the test, which starts the Lighthouse.
+"""One rank of a torchft replica group training through fused_reducer.torchft, for
+tests/test_fault_tolerance.py and tests/test_ft_groups.py: run as a process by the test, which
+starts the Lighthouse. A replica group of one rank by default; with `group_size` > 1 and `rank`,
+one rank of a group whose ranks are processes too (their own gloo group, as torchrun starts
+them; rank 0 holds the group's TCPStore and writes its port to <out>/replica<R>.store).
 
     python tests/ft_worker.py CONFIG_JSON
 
-Every replica trains the same model (seeded alike) on batch(step, replica) and writes JSON lines to
-<out>/replica<R>.log: one per step after should_commit (committed or not, participants, what the
-buckets did, how many heals this process received, the time), then the final parameters to
-<out>/replica<R>.pt. tests/ft_common.py starts replicas and replays the committed steps in
-float64 from these logs (for the test and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself (SIGKILL,
-its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets went out,
-"after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
+Every replica trains the same model (seeded alike) on batch(step, replica, rank=rank) and
+writes JSON lines to <out>/<member>.log (member_name below): one per step after should_commit
+(committed or not, participants, what the buckets did, the heals this process received and from
+which group rank, the time), then the final parameters to <out>/<member>.pt.
+tests/ft_common.py starts replicas and replays the committed steps in float64 from these logs
+(for the tests and scripts/ft_stress.py). `kill_step` with `kill_in`: the replica kills itself
+(SIGKILL, its own pid) in that step's "forward", its "backward" once `kill_after_buckets` buckets
+went out, "after_backward" (before should_commit) or in the optimizer "step" (after should_commit).
+`go`: wait for that file once the Manager is up (replicas started together); `hold`: wait for
+that file before the Manager exists (a restart let go later).
 """
 import json
 import os
@@ -50,8 +56,15 @@ def make_model(dtype=torch.float32):
     return Net().to(dtype)
 
 
-def batch(step, replica, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 * step + replica)
+def member_name(replica, rank=None):
+    """The file stem of a replica group's rank: replica<R> for a group of one rank (rank None),
+    else replica<R>_rank<K>."""
+    return f"replica{replica}" if rank is None else f"replica{replica}_rank{rank}"
+
+
+def batch(step, replica, dtype=torch.float32, rank=0):
+    """The batch of rank `rank` of replica group `replica` at `step`."""
+    g = torch.Generator().manual_seed(1000 * step + replica + 100 * rank)
     x = torch.randn(BATCH, IN, generator=g)
     y = torch.randn(BATCH, OUT, generator=g)
     return x.to(dtype), y.to(dtype)
@@ -69,41 +82,79 @@ def limits_at(step):
     return None
 
 
+def group_store(out_dir, replica, rank):
+    """The replica group's TCPStore (its Manager's, and its process group's): rank 0 holds it
+    and writes its port to <out>/replica<R>.store (removed by the test before a restart)."""
+    path = os.path.join(out_dir, f"replica{replica}.store")
+    if rank == 0:
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                           wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)
+        return store
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replica {replica} rank {rank}: no store port from rank 0")
+        time.sleep(0.02)
+    port = int(open(path).read())
+    return torch.distributed.TCPStore("127.0.0.1", port, is_master=False,
+                                      wait_for_workers=False)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     replica = cfg["replica"]
+    group_size = cfg.get("group_size", 1)
+    rank = cfg.get("rank", 0)
+    member = member_name(replica, cfg.get("rank"))
     out_dir = cfg["out"]
-    log_path = os.path.join(out_dir, f"replica{replica}.log")
+    log_path = os.path.join(out_dir, f"{member}.log")
 
     import torchft
     from torchft import Manager, ProcessGroupGloo
     import fused_reducer.torchft as ft
     from fused_reducer import NonFiniteGradientError
 
+    if cfg.get("hold"):
+        # Started, imports done, held before its Manager exists: a Manager that heartbeats
+        # without asking for a quorum would hold the Lighthouse's quorums back (it wants more
+        # than half of the heartbeating replicas), which no restarted replica does.
+        while not os.path.exists(cfg["hold"]):
+            time.sleep(0.01)
     timeout = timedelta(seconds=cfg.get("timeout_s", 10))
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = group_store(out_dir, replica, rank)
+    if group_size > 1:  # the replica group's own process group, as torchrun would make it
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.PrefixStore("group", store), rank=rank,
+            world_size=group_size, timeout=timeout)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
         load_state_dict=None, state_dict=None,
         replica_id=f"replica_{replica}", lighthouse_addr=cfg["lighthouse"],
-        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        store_addr="127.0.0.1", store_port=store.port, rank=rank, world_size=group_size,
         use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10), init_sync=False)
 
     fused = cfg.get("reducer", "fused_reducer") == "fused_reducer"
     heals = []
     if fused:
-        model = ft.DistributedDataParallel(manager, make_model(), first_bucket_mb=0.004,
-                                           bucket_cap_mb=0.04, replica_id=f"replica_{replica}",
-                                           **cfg.get("health", {}))
+        model = ft.DistributedDataParallel(
+            manager, make_model(), first_bucket_mb=0.004, bucket_cap_mb=0.04,
+            group_reduction=cfg.get("group_reduction", ft.DEFAULT_GROUP_REDUCTION),
+            replica_id=f"replica_{replica}", **cfg.get("health", {}))
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         load, save = ft.state_dict_fns(model, inner)
 
-        def counted_load(state):  # how many times this replica healed (in its records)
-            heals.append(manager.current_step())
+        def counted_load(state):  # how many times this replica healed, from which group rank
+            heals.append(state["sender_rank"])
             load(state)
 
-        manager.register_state_dict_fn("fused_reducer", counted_load, save)
+        def labelled_save():
+            return dict(save(), sender_rank=rank)
+
+        manager.register_state_dict_fn("fused_reducer", counted_load, labelled_save)
     else:  # torchft's own DDP, for comparison (bench/, the report)
         model = torchft.DistributedDataParallel(manager, make_model())
         inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -119,24 +170,31 @@ def main():
     # What each bucket did this step: when it went to the Manager, when its reduction
     # completed, and when backward computed each gradient meanwhile.
     events = []
-    original_future = ft._managed_future
 
-    def timed_future(*args):
-        index = sum(1 for e in events if e[0] == "launch")
-        events.append(("launch", time.perf_counter(), index))
-        fut = original_future(*args)
-        fut.add_done_callback(lambda _: events.append(("done", time.perf_counter(), index)))
-        return fut
+    def timed(launch):
+        """`launch` (what returns a bucket's future), recording the launch and the completion."""
+        def timed_launch(*args):
+            index = sum(1 for e in events if e[0] == "launch")
+            events.append(("launch", time.perf_counter(), index))
+            fut = launch(*args)
+            fut.add_done_callback(lambda _: events.append(("done", time.perf_counter(), index)))
+            return fut
+        return timed_launch
 
     for p in model.module.parameters():
         p.register_hook(lambda g: events.append(("ready", time.perf_counter(), None)))
-    ft._managed_future = timed_future  # the hook looks it up at each call
+    # The hooks look these up at each call. A group's bucket goes to its worker thread at
+    # launch, and is done when its whole chain (inside, across, inside) is.
+    if fused and model.group_reduction is not None:
+        model.group_reduction.launch = timed(model.group_reduction.launch)
+    else:
+        ft._managed_future = timed(ft._managed_future)
 
     deadline = time.monotonic() + cfg.get("max_s", 120)
     if cfg.get("go"):
         # Start together: a replica whose first quorum request comes before the other's Manager
         # heartbeats forms a quorum of one and trains alone until the next quorum.
-        open(os.path.join(out_dir, f"ready{replica}"), "w").close()
+        open(os.path.join(out_dir, f"ready_{member}"), "w").close()
         while not os.path.exists(cfg["go"]):
             if time.monotonic() > deadline:
                 raise SystemExit(f"replica {replica}: no go within max_s")
@@ -156,7 +214,7 @@ def main():
         if limits and fused:
             for name, value in limits.items():
                 setattr(model, name, value)
-        x, y = batch(step, replica)
+        x, y = batch(step, replica, rank=rank)
         x.requires_grad_(True)
         compute_end = []
         x.register_hook(lambda g: compute_end.append(time.perf_counter()))
@@ -168,7 +226,8 @@ def main():
             its buckets were reduced (the others may commit the step with its gradients)."""
             launched = sum(1 for e in events if e[0] == "launch")
             with open(log_path, "a") as f:
-                f.write(json.dumps({"killed": step, "replica": replica, "phase": phase,
+                f.write(json.dumps({"killed": step, "replica": replica, "rank": rank,
+                                    "group_size": group_size, "phase": phase,
                                     "launched": launched, "contributed": contributed,
                                     "time": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -219,7 +278,8 @@ def main():
         overlapped = sum(1 for i, t in launches.items()
                          if any(t < r < dones.get(i, float("inf")) for r in readies))
         record = {
-            "replica": replica, "pid": os.getpid(), "step": step, "commit": committed,
+            "replica": replica, "rank": rank, "group_size": group_size, "pid": os.getpid(),
+            "step": step, "commit": committed,
             "participants": participants, "participating": participating, "errored": errored,
             "buckets": len(launches),
             "launched_before_end": sum(t < end for t in launches.values()),
@@ -229,6 +289,7 @@ def main():
             "caps": model.bucket_caps_bytes if fused else None,
             "healed_at": healed_at,
             "heals": len(heals),
+            "healed_from_ranks": heals,
             "quorum": manager._quorum_id,
             "time": time.time(),
             "nonfinite": nonfinite,
@@ -250,7 +311,7 @@ def main():
             break
         time.sleep(cfg.get("pause_s", 0.0))
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()},
-               os.path.join(out_dir, f"replica{replica}.pt"))
+               os.path.join(out_dir, f"{member}.pt"))
     if fused:
         model.close()
     manager.shutdown(wait=False)

@@ -129,6 +129,27 @@ def test_limits_changed_after_a_heal_rebuild_the_received_order(own_group):
         model.close()
 
 
+def test_heal_after_the_first_step_gives_the_layout_the_live_replica_rebuilds(own_group):
+    """A replica healed from a peer that has completed only its first step (its rebuild from
+    the observed gradient order still pending, done at its next forward) builds the layout the
+    peer rebuilds, not the peer's initial one (a torchrun check of replica groups of two ranks
+    found this: a group joining a peer at step 1 crashed in gloo on buckets of other sizes)."""
+    live = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                      process_group=own_group, first_bucket_mb=0.004,
+                                      bucket_cap_mb=0.04)
+    train_locally(live, 1)
+    initial = live.bucket_parameter_names()
+    joining = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                         process_group=own_group)
+    ft.load_reducer_state(joining, ft.reducer_state(live))
+    for model in (live, joining):
+        train_locally(model, 1, first_step=1)
+    assert live.bucket_parameter_names() != initial  # the live replica did rebuild
+    assert joining.bucket_parameter_names() == live.bucket_parameter_names()
+    for model in (live, joining):
+        model.close()
+
+
 def test_refused_under_a_changing_quorum(own_group):
     async_manager = LocalManager()
     async_manager._use_async_quorum = True

@@ -29,17 +29,24 @@ of the layout in force, and loading it makes the next forward rebuild exactly th
 if the limits are changed after the heal and before that forward, as every replica changes them
 at that step, the layout of the new limits from that order, as on every replica).
 
-This slice: replica groups of one rank (the FusedReducer's process group is the replica's own
-one-rank group), synchronous quorum (``use_async_quorum=False``: the heal is applied before the
-forward, so the healing replica's first backward already has the others' layout).
-See docs/FAULT_TOLERANCE.md.
+A replica group of several ranks (``process_group``, by default the default group that torchrun
+gives each replica group; every rank has its own Manager, ``Manager(rank=group rank,
+world_size=group size)``): each bucket is reduced inside the group over its process group and
+across groups by each rank's Manager, which joins the same group rank of every replica group
+(``GroupReduction``, below). Synchronous quorum only (``use_async_quorum=False``: the heal is
+applied before the forward, so the healing replica's first backward already has the others'
+layout). See docs/FAULT_TOLERANCE.md.
 """
 import collections
+import functools
 import inspect
 import logging
+import math
 import statistics
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,6 +54,7 @@ import torch.distributed as dist
 from .core.validation import health_option_names, health_settings
 from .core.wrapper import FusedReducer
 from .errors import FusedReducerError, NonFiniteGradientError
+from .transports import elastic
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +72,11 @@ def _import_torchft():
 
 _torchft = _import_torchft()
 from torchft.work import _DummyWork  # noqa: E402  (torchft's completed work after an error)
+from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY  # noqa: E402
 
 __all__ = ["DistributedDataParallel", "Optimizer", "OptimizerWrapper", "fault_tolerant_hook",
-           "state_dict_fns", "reducer_state", "load_reducer_state"]
+           "GroupReduction", "group_hook", "GROUP_REDUCTIONS", "DEFAULT_GROUP_REDUCTION",
+           "state_dict_fns", "reducer_state", "load_reducer_state", "forget_dead_attempt_keys"]
 
 Optimizer = _torchft.Optimizer  # torchft.optim.OptimizerWrapper: works with any module
 OptimizerWrapper = Optimizer
@@ -96,22 +106,14 @@ def _reducer_of(model):
     return attachment.reducer
 
 
-def _own_group(process_group):
-    """The replica's one-rank process group (the FusedReducer reduces nothing inside it)."""
+def _replica_group(process_group):
+    """The replica group's own process group: the one given, the default one (what torchrun
+    starts for a replica group), or, with neither, a world of one (nothing to rendezvous with)."""
     if process_group is not None:
-        group = process_group
-    elif dist.is_initialized():
-        group = dist.group.WORLD
-    else:
-        # The replica group's own world of one: nothing to rendezvous with.
+        return process_group
+    if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-    if dist.get_world_size(group) != 1:
-        raise NotImplementedError(
-            "fused_reducer.torchft.DistributedDataParallel: replica groups of more than one rank "
-            f"(this process group has {dist.get_world_size(group)}) are not supported yet "
-            "(issue 47, part 2); run one rank per replica group")
-    return group
+    return dist.group.WORLD
 
 
 def _collective_of(work):
@@ -164,20 +166,149 @@ def fault_tolerant_hook(manager, bucket):
     return _managed_future(manager, work, tensor, manager.num_participants())
 
 
+# -- replica groups of several ranks -----------------------------------------------------------
+# How a bucket is reduced in a replica group of several ranks:
+#   "all_reduce":     all-reduce inside the group, the fault-tolerant all-reduce of the whole
+#                     bucket across groups;
+#   "reduce_scatter": reduce-scatter inside the group, the fault-tolerant all-reduce of this
+#                     rank's 1/N shard across groups, all-gather inside the group (1/N of the
+#                     bytes across groups, where the links are usually the slowest).
+# The default is the faster one measured (bench/ft_groups_bench.py, docs/FAULT_TOLERANCE.md):
+# on gloo a reduce-scatter plus an all-gather cost about twice an all-reduce, more than the
+# shard saves across groups.
+GROUP_REDUCTIONS = ("all_reduce", "reduce_scatter")
+DEFAULT_GROUP_REDUCTION = "all_reduce"
+
+
+def _check_group_reduction(method):
+    if method not in GROUP_REDUCTIONS:
+        raise FusedReducerError(
+            f"fused_reducer.torchft: group_reduction must be one of {GROUP_REDUCTIONS}, "
+            f"got {method!r}")
+
+
+class GroupReduction:
+    """The reduction of one rank of a replica group of several ranks, as the comm hook's state.
+
+    Every bucket's chain (inside, across, inside) runs on one worker thread, bucket after bucket
+    in launch order: every rank then issues its group's collectives and its Manager's in the
+    same order (gloo matches collectives by their order), and backward goes on while the worker
+    reduces; the reducer waits for the buckets once, at the end of backward.
+
+    The average is over the step's global batch: the sum over the participating groups' ranks
+    divided by ``num_participants() * group size`` (a healing group contributes zeros: its
+    Manager zeroes its tensor). Every tensor that crosses groups carries one more element, the
+    group's size, so a quorum of groups of different sizes (whose average would be wrong) is
+    caught at every step: the sum of sizes must be ``num_participants() * group size``."""
+
+    def __init__(self, manager, group, method=DEFAULT_GROUP_REDUCTION):
+        _check_group_reduction(method)
+        self.manager = manager
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.method = method
+        self._worker = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix="fused_reducer_ft_group")
+
+    def launch(self, flat):
+        """A Future of the averaged `flat` (a bucket), reduced on the worker thread."""
+        result = torch.futures.Future()
+        self._worker.submit(self._reduce, flat, result)
+        return result
+
+    def close(self):
+        self._worker.shutdown(wait=False)
+
+    def _reduce(self, flat, result):
+        try:
+            if self.method == "reduce_scatter":
+                result.set_result(self._reduce_scatter_chain(flat))
+            else:
+                result.set_result(self._all_reduce_chain(flat))
+        except BaseException as e:  # noqa: BLE001 - raised by the reducer at the end of backward
+            result.set_exception(e)
+
+    def _all_reduce_chain(self, flat):
+        wire = flat.new_empty(flat.numel() + 1)
+        wire[:-1].copy_(flat)
+        wire[-1] = 1  # every rank counts itself: the group's sum is its size
+        self._inside(dist.all_reduce, wire)
+        self._across(wire)
+        return wire[:-1]
+
+    def _reduce_scatter_chain(self, flat):
+        numel, size = flat.numel(), self.group_size
+        shard_numel = math.ceil(numel / size)
+        if shard_numel * size == numel:
+            whole = flat  # no copy: reduce-scattered from, and all-gathered into, the bucket
+        else:
+            whole = flat.new_zeros(shard_numel * size)
+            whole[:numel].copy_(flat)
+        wire = flat.new_empty(shard_numel + 1)
+        self._inside(dist.reduce_scatter_single, wire[:-1], whole)
+        wire[-1] = size
+        self._across(wire)
+        self._inside(dist.all_gather_single, whole, wire[:-1])
+        return whole[:numel]
+
+    def _inside(self, collective, *tensors):
+        try:
+            collective(*tensors, group=self.group)
+        except Exception as e:
+            error = FusedReducerError(
+                "fused_reducer.torchft: a collective inside this replica group failed (a rank of "
+                f"the group died or stopped answering: {e}); the group cannot go on with that "
+                "process group: restart the whole replica group (torchrun does), it then heals "
+                "from a live group")
+            self.manager.report_error(error)
+            raise error from e
+
+    def _across(self, wire):
+        """The fault-tolerant all-reduce (SUM, then divided by the global number of ranks) of
+        `wire` across the groups, waited for; then the group-size check."""
+        manager = self.manager
+        work = manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM)
+        participants = manager.num_participants()
+        _managed_future(manager, work, wire, participants * self.group_size).wait()
+        if manager.errored() is not None:
+            return  # the step will not be committed; the buffer is unreduced
+        ranks = wire[-1].item() * participants * self.group_size
+        if round(ranks) != participants * self.group_size:
+            error = FusedReducerError(
+                f"fused_reducer.torchft: the {participants} participating replica groups have "
+                f"{ranks:g} ranks in all, but this group has {self.group_size}: every replica "
+                "group must have the same number of ranks (the same --nproc-per-node for every "
+                "torchrun), or the average would be wrong")
+            manager.report_error(error)
+            raise error
+
+
+def group_hook(reduction, bucket):
+    """The communication hook of a replica group of several ranks (state: its
+    GroupReduction)."""
+    return reduction.launch(bucket.buffer())
+
+
 class DistributedDataParallel(FusedReducer):
     """``torchft.DistributedDataParallel(manager, module)`` with FusedReducer as the reducer:
     every keyword is FusedReducer's (``first_bucket_mb``, ``bucket_cap_mb``, ``last_bucket_mb``,
-    ``reduce_dtype``, ...). See the module's docstring."""
+    ``reduce_dtype``, ...). ``process_group``: the replica group's own (default: the default
+    group, what torchrun starts for the group); with more than one rank, ``group_reduction``
+    (one of GROUP_REDUCTIONS) says how a bucket is reduced inside and across groups. See the
+    module's docstring."""
 
     sharded_optimizer_refusal = (
         "ShardedOptimizer cannot be used with fused_reducer.torchft.DistributedDataParallel: "
         "its shards would span torchft replica groups, whose membership changes at every "
         "quorum (a dead group takes its shard of the optimizer state with it, and a healing "
-        "group receives whole-model state). Use a plain optimizer wrapped in "
-        "fused_reducer.torchft.Optimizer(manager, optimizer): every replica group keeps the "
-        "whole optimizer state, and healing copies it.")
+        "group receives whole-model state); sharding within a replica group of several ranks "
+        "is not supported yet either. Use a plain optimizer wrapped in "
+        "fused_reducer.torchft.Optimizer(manager, optimizer): every rank keeps the whole "
+        "optimizer state, and healing copies it.")
 
-    def __init__(self, manager, module, process_group=None, replica_id=None, **kwargs):
+    def __init__(self, manager, module, process_group=None,
+                 group_reduction=DEFAULT_GROUP_REDUCTION, replica_id=None, **kwargs):
+        _check_group_reduction(group_reduction)  # also where a one-rank group does not use it
         for name, why in _REFUSED.items():
             if kwargs.get(name):
                 raise FusedReducerError(
@@ -190,7 +321,8 @@ class DistributedDataParallel(FusedReducer):
                 "the live state only in should_commit(), after a backward whose buckets were "
                 "laid out before the heal, so its collectives would not match the others'")
         # Every replica initialises its own parameters; the Manager heals the differences
-        # (torchft's DDP too skips DDP's initial broadcast).
+        # (torchft's DDP too skips DDP's initial broadcast). Inside a replica group of several
+        # ranks, DDP's initial broadcast would be the group's own: the Manager's heal covers it.
         kwargs.setdefault("init_sync", False)
         if any(p.is_cuda for p in module.parameters()):
             # Every bucket goes through the Manager's process group (torchft's NCCL one), so the
@@ -198,14 +330,27 @@ class DistributedDataParallel(FusedReducer):
             # NCCL communicator on the device beside torchft's.
             kwargs.setdefault("backend", "process_group")
         health = take_health_settings(kwargs)  # Note [Health across replica groups]
-        super().__init__(module, process_group=_own_group(process_group), **kwargs)
+        group = _replica_group(process_group)
+        if dist.get_world_size(group) > 1 and kwargs.get("find_unused_parameters"):
+            raise FusedReducerError(
+                "fused_reducer.torchft.DistributedDataParallel: find_unused_parameters=True is "
+                "not supported with a replica group of several ranks yet: the reducer's "
+                "all-reduce of the used parameters would run on the group's process group "
+                "beside the buckets' reductions (issued from another thread), in an order that "
+                "can differ between ranks")
+        super().__init__(module, process_group=group, **kwargs)
         self.manager = manager
         self.check_finite = health["check_finite"]  # what runs, across replica groups
         self.replica_health = ReplicaHealth(self, manager, replica_id, health)
         # After a heal: the received limits and the sender's bucket_parameter_names, checked by
         # the next forward.
         self.expected_layout = None
-        self.register_comm_hook(manager, fault_tolerant_hook)
+        if dist.get_world_size(group) == 1:
+            self.group_reduction = None
+            self.register_comm_hook(manager, fault_tolerant_hook)
+        else:
+            self.group_reduction = GroupReduction(manager, group, group_reduction)
+            self.register_comm_hook(self.group_reduction, group_hook)
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)  # applies a received layout (a rebuild)
@@ -215,7 +360,7 @@ class DistributedDataParallel(FusedReducer):
             # Limits changed since the heal (every replica changes them at the same step, after
             # the quorum): every replica rebuilds from the same order with the new limits, so
             # the sender's layout from before the change is not the one to expect.
-            if _limits(self) == limits and got != expected:
+            if expected is not None and _limits(self) == limits and got != expected:
                 raise FusedReducerError(
                     "fused_reducer.torchft: after healing, this replica's buckets differ from "
                     f"the live replica's: {got} != {expected}")
@@ -228,22 +373,39 @@ class DistributedDataParallel(FusedReducer):
         return self.replica_health.report()
 
     def register_comm_hook(self, state, hook):
-        if self.__dict__.get("_ft_hook_registered") or hook is not fault_tolerant_hook:
+        if self.__dict__.get("_ft_hook_registered") or hook not in (fault_tolerant_hook,
+                                                                     group_hook):
             raise FusedReducerError(
                 "fused_reducer.torchft.DistributedDataParallel reduces every bucket through the "
                 "Manager's fault-tolerant all-reduce; another communication hook cannot be "
                 "registered")
-        super().register_comm_hook(state, hook)
+        super().register_comm_hook(state, self.replica_health.observed(hook))
         self._ft_hook_registered = True
+
+    def close(self):
+        super().close()
+        reduction = self.__dict__.get("group_reduction")
+        if reduction is not None:
+            reduction.close()
 
 
 # -- the state a healing replica receives ----------------------------------------------------------
 def reducer_state(model):
-    """What a replica joining at this step needs to lay out its buckets as `model` does: the
-    limits and the parameter order of the layout in force (by name) and the bucket parameter
-    names it must produce."""
+    """What a replica joining at this step needs to lay out its buckets as `model` does at its
+    next forward: the limits and the parameter order (by name) of the layout it will have, and
+    the bucket parameter names it must produce (None where they are only known after that
+    forward)."""
     reducer = _reducer_of(model)
-    order = [i for bucket in reducer.bucket_params() for i in bucket]
+    stats = reducer.stats()
+    if stats["step"] >= 1 and stats["rebuilds"] == 0:
+        # After the first backward and before the next forward (a heal at step 1): that forward
+        # rebuilds from the gradient-ready order just observed, as DDP does, not the layout in
+        # force (found by a replica group joining a peer that had trained one step alone).
+        order = list(reducer.last_ready_order())
+        expected = None
+    else:
+        order = [i for bucket in reducer.bucket_params() for i in bucket]
+        expected = [list(b) for b in model.bucket_parameter_names()]
     names = _param_names(model)
     dtype = model.reduce_dtype
     return {
@@ -251,7 +413,7 @@ def reducer_state(model):
         "last_bucket_bytes": int(model.last_bucket_bytes),
         "reduce_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
         "layout_order": [names[i] for i in order],
-        "bucket_parameter_names": [list(b) for b in model.bucket_parameter_names()],
+        "bucket_parameter_names": expected,
     }
 
 
@@ -276,7 +438,9 @@ def load_reducer_state(model, state):
     dtype = state["reduce_dtype"]
     model.reduce_dtype = None if dtype is None else getattr(torch, dtype)
     _reducer_of(model).request_rebuild_from_order([index[n] for n in order])
-    model.expected_layout = (_limits(model), [list(b) for b in state["bucket_parameter_names"]])
+    expected = state["bucket_parameter_names"]
+    model.expected_layout = (_limits(model),
+                             None if expected is None else [list(b) for b in expected])
 
 
 def _limits(model):
@@ -306,15 +470,27 @@ def state_dict_fns(model, optimizer=None):
     return load_state_dict, state_dict
 
 
+# -- torchrun restarts ----------------------------------------------------------------------------
+def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
+    """fused_reducer.transports.elastic.forget_dead_attempt_keys, and the keys torchft's Manager
+    left in torchrun's store in the dead attempt (group rank 0's Manager server address and the
+    replica id): in a restarted replica group, a rank other than 0 would otherwise read the dead
+    server's address before rank 0 writes the new one, and wait for it until connect_timeout
+    (found with scripts/ft_groups_torchrun.py). Call on every rank before
+    ``dist.init_process_group()`` and the Manager."""
+    return elastic.forget_dead_attempt_keys(timeout, also=(MANAGER_ADDR_KEY, REPLICA_ID_KEY))
+
+
 # -- training health across replica groups ---------------------------------------------------------
 # Note [Health across replica groups]
 # FusedReducer's own check_finite and straggler report (ext/health_exchange.cpp) exchange their
 # rows over the reducer's process group, which here is the replica's own group of one rank: they
 # would see this replica alone, and a NaN from another replica would reach this one's gradients
 # through the Manager unnamed. So under torchft the same keywords run here instead (the C++ ones
-# are turned off): each replica counts the non-finite elements of its local gradients (a
-# pre-hook of each parameter's gradient accumulator, as they enter the buckets) and notes when
-# its last gradient was computed; at the end of backward one small float64 all-reduce through
+# are turned off): with check_finite each replica counts the non-finite elements of its local
+# gradients (a pre-hook of each parameter's gradient accumulator, as they enter the buckets: a
+# Python call per parameter and step, paid only with check_finite), and it notes when its last
+# bucket was complete (in the comm hook, once per bucket); at the end of backward one small float64 all-reduce through
 # the Manager carries a row per participant (its slot: manager.participating_rank()), the same
 # on every replica afterwards, so every replica reaches the same verdict (every replica must be
 # given the same health keywords, as every other keyword). A non-finite gradient anywhere: every
@@ -377,6 +553,7 @@ class ReplicaHealth:
         self.accumulators = []  # kept alive: a parameter holds its accumulator weakly
         if self.check_finite or self.interval > 0:
             model.register_forward_pre_hook(lambda module, args: self.forward_started())
+        if self.check_finite:  # a Python hook per parameter and step: only when asked for
             for index, (_, p) in enumerate(named):
                 # A pre-hook of the gradient accumulator sees the gradient after every tensor
                 # hook on the parameter, also those registered later: what enters the buckets.
@@ -397,7 +574,17 @@ class ReplicaHealth:
             self.queued = False
             self.forward_began = time.perf_counter()
 
-    def gradient(self, index, grad):
+    def observed(self, hook):
+        """`hook` (the comm hook), with each bucket's launch noted first."""
+        @functools.wraps(hook)
+        def launch(state, bucket):
+            self.bucket_ready()
+            return hook(state, bucket)
+        return launch
+
+    def bucket_ready(self):
+        """A bucket is complete: this replica's gradients are ready up to now (its last one: the
+        slack's start), and the exchange is queued after the reducer's end of backward."""
         if not self.armed:
             return
         if not self.queued:
@@ -407,7 +594,9 @@ class ReplicaHealth:
             # backward (queued by its first gradient hook), which waits for the buckets.
             engine.queue_callback(lambda: engine.queue_callback(self.exchange))
         self.last_gradient = time.perf_counter()
-        if self.check_finite:
+
+    def gradient(self, index, grad):
+        if self.armed:
             self.counts[index] += grad.isfinite().logical_not().sum()
 
     def own_row(self, ended, rank):

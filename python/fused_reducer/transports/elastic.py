@@ -35,11 +35,13 @@ DEFAULT_GROUP_PREFIX = "default_pg/"
 FUSED_REDUCER_MARK = "/fused_reducer/"
 
 
-def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
+def forget_dead_attempt_keys(timeout=timedelta(seconds=60), also=()):
     """Remove the keys torch's default process group left in torchrun's store in a dead attempt
-    (see the module's docstring). Call on every rank before `dist.init_process_group()` in a job
-    that torchrun may restart (--max-restarts). Returns {"attempt", "removed": [keys]} (the same
-    on every rank); does nothing (removed: []) outside a restarted torchrun attempt."""
+    (see the module's docstring), and the keys named in `also` (exact names other libraries
+    write there once per attempt, e.g. fused_reducer.torchft's Manager keys). Call on every rank
+    before `dist.init_process_group()` in a job that torchrun may restart (--max-restarts).
+    Returns {"attempt", "removed": [keys]} (the same on every rank); does nothing (removed: [])
+    outside a restarted torchrun attempt."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"attempt": attempt, "removed": []}
@@ -63,11 +65,13 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
                 "fused_reducer.transports.elastic.forget_dead_attempt_keys(): this torch's TCPStore "
                 "has no list_keys(), so the dead attempt's keys cannot be found; upgrade torch, or let "
                 "torchrun restart with a fresh store (TORCHELASTIC_USE_AGENT_STORE=False)")
-        removed = sorted(k for k in store.list_keys()
-                         if k.startswith(DEFAULT_GROUP_PREFIX) and FUSED_REDUCER_MARK not in k)
+        keys = store.list_keys()
+        torch_keys = sorted(k for k in keys
+                            if k.startswith(DEFAULT_GROUP_PREFIX) and FUSED_REDUCER_MARK not in k)
+        removed = torch_keys + sorted(k for k in also if k in keys)
         for key in removed:
             store.delete_key(key)
-        if not removed:
+        if not torch_keys:
             warnings.warn("fused_reducer.transports.elastic.forget_dead_attempt_keys(): "
                           f"attempt {attempt} found no '{DEFAULT_GROUP_PREFIX}' keys in torchrun's store; if this "
                           "torch names its default group's keys otherwise, none were removed")
