@@ -276,6 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("request_rebuild", &Reducer::request_rebuild)
       .def("request_rebuild_from_order", &Reducer::request_rebuild_from_order, py::arg("order"),
            "Rebuild at the next forward from this parameter order (a joining replica's layout).")
+      .def("rebuild_pending", &Reducer::rebuild_pending,
+           "Whether the next forward rebuilds the layout.")
       .def_property("bucket_caps_bytes", &Reducer::bucket_caps_bytes,
                     &Reducer::set_bucket_caps_bytes)
       .def_property("first_bucket_bytes", &Reducer::first_bucket_bytes,

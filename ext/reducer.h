@@ -126,6 +126,9 @@ class Reducer {
   // others mid-training (fused_reducer.torchft) lays its buckets out as they do before its
   // first step. The order also stands in for an observed one until a backward observes one.
   void request_rebuild_from_order(std::vector<int64_t> order);
+  // Whether the next prepare_forward rebuilds (a limit set, a rebuild requested, the first
+  // step's rebuild): what fused_reducer.torchft agrees on across replica groups.
+  bool rebuild_pending() const;
 
   // no_sync(): hooks do nothing; gradients accumulate in param.grad and the
   // next synchronised backward reduces the accumulated sum.

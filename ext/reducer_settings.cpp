@@ -105,6 +105,11 @@ void Reducer::request_rebuild_from_order(std::vector<int64_t> order) {
   rebuild_pending_ = true;
 }
 
+bool Reducer::rebuild_pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return rebuild_pending_;
+}
+
 void Reducer::set_sync_enabled(bool enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_enabled_ = enabled;

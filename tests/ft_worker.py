@@ -74,9 +74,12 @@ def loss_fn(out, y):
     return ((out - y) ** 2).mean()
 
 
-def limits_at(step):
-    """The bucket limits every replica sets before the forward of `step` (changed while
-    training, so a replica healing later must receive them)."""
+def limits_at(step, cfg=None):
+    """The bucket limits this replica sets before the forward of `step`: by default every
+    replica changes its cap at step 2 (so a replica healing later must receive it); cfg's
+    "limits" ({step: {name: value}}, this replica's own) replaces that."""
+    if cfg is not None and "limits" in cfg:
+        return cfg["limits"].get(str(step))
     if step == 2:
         return {"bucket_cap_bytes": 15_000}
     return None
@@ -210,7 +213,7 @@ def main():
         step = manager.current_step()
         if healed_at is None and cfg.get("restarted"):
             healed_at = step
-        limits = limits_at(step)
+        limits = limits_at(step, cfg)
         if limits and fused:
             for name, value in limits.items():
                 setattr(model, name, value)
@@ -281,6 +284,7 @@ def main():
             "replica": replica, "rank": rank, "group_size": group_size, "pid": os.getpid(),
             "step": step, "commit": committed,
             "participants": participants, "participating": participating, "errored": errored,
+            "quorum_rank": manager.participating_rank(),
             "buckets": len(launches),
             "launched_before_end": sum(t < end for t in launches.values()),
             "done_before_end": sum(t < end for t in dones.values()),

@@ -150,6 +150,76 @@ def test_heal_after_the_first_step_gives_the_layout_the_live_replica_rebuilds(ow
         model.close()
 
 
+class RankOneManager(LocalManager):
+    """A quorum of two where this replica is quorum rank 1: the agreement's all-reduce brings
+    rank 0's row, given by `rank0_row()` (this replica writes zeros); the buckets' all-reduces
+    leave the tensor as it is."""
+
+    def __init__(self, rank0_row):
+        self.rank0_row = rank0_row
+
+    def participating_rank(self):
+        return 1
+
+    def num_participants(self):
+        return 2
+
+    def allreduce(self, tensor, reduce_op=None):
+        if tensor.dtype == torch.float64 and tensor.dim() == 1:  # the agreement's row (the
+            # buckets are float32, the health exchange's rows a matrix)
+            assert not tensor.any(), "quorum rank 1 must write zeros"
+            tensor.add_(self.rank0_row())
+        return _DummyWork(tensor)
+
+
+def test_forward_agrees_limits_and_order_with_quorum_rank_0(own_group):
+    """Each forward takes quorum rank 0's limits and order (Note [Layout agreed through the
+    quorum]): the first step's rebuild uses rank 0's gradient-ready order though this replica
+    observed another, a cap set on rank 0 alone reaches this replica at that step, a limit set
+    on this replica alone is undone; the layouts are equal at every step."""
+    kwargs = dict(process_group=own_group, first_bucket_mb=0.004, bucket_cap_mb=0.04)
+    rank0 = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(), **kwargs)
+    names = ft._param_names(rank0)
+    order_of_rank0 = {}  # what rank 0 sends at step 1: its ready order, rotated by one
+
+    def rank0_row():
+        row = ft._agreement_row(rank0)
+        if ft._reducer_of(rank0).stats()["step"] == 1:
+            tail = len(row) - len(names)
+            order = [int(i) for i in row[tail:].tolist()]
+            order_of_rank0["order"] = order[1:] + order[:1]
+            row[tail:] = torch.tensor(order_of_rank0["order"], dtype=row.dtype)
+        return row
+
+    rank1 = ft.DistributedDataParallel(RankOneManager(rank0_row), ft_worker.make_model(), **kwargs)
+    for step in range(4):
+        if step == 2:
+            rank0.bucket_cap_bytes = 15_000  # on rank 0 only: every replica takes it
+        if step == 3:
+            rank1.first_bucket_bytes = 2_000  # on rank 1 only: undone
+        train_locally(rank1, 1, first_step=step)  # its forward agrees with rank 0's row first
+        if step == 1:
+            # Rebuilt from rank 0's order, not from its own: as a fresh replica told that order.
+            reference = ft.DistributedDataParallel(LocalManager(), ft_worker.make_model(),
+                                                   **kwargs)
+            ft._rebuild_as(reference, rank0.bucket_caps_bytes, rank0.last_bucket_bytes, None,
+                           order_of_rank0["order"])
+            train_locally(reference, 1)
+            assert rank1.bucket_parameter_names() == reference.bucket_parameter_names()
+            reference.close()
+            # Rank 0 rebuilds from its own order here: told the rotated one as well.
+            ft._reducer_of(rank0).request_rebuild_from_order(order_of_rank0["order"])
+        train_locally(rank0, 1, first_step=step)
+        assert rank1.bucket_caps_bytes == rank0.bucket_caps_bytes, step
+        assert rank1.last_bucket_bytes == rank0.last_bucket_bytes
+        assert rank1.bucket_parameter_names() == rank0.bucket_parameter_names(), step
+    assert rank1.bucket_caps_bytes[-1] == 15_000
+    assert rank1.first_bucket_bytes == rank0.first_bucket_bytes != 2_000
+    assert ft._reducer_of(rank1).stats()["rebuilds"] == 3  # step 1, step 2, step 3 (undone)
+    for model in (rank0, rank1):
+        model.close()
+
+
 def test_refused_under_a_changing_quorum(own_group):
     async_manager = LocalManager()
     async_manager._use_async_quorum = True
@@ -210,6 +280,37 @@ def test_two_replicas_match_float64_and_overlap(tmp_path, lighthouse):
     # (Only one replica overlaps in a step, often: the later one finds its peer's data there.)
     overlapped = [[rec["overlapped"] for rec in recs[r]] for r in range(2)]
     assert sum(map(sum, overlapped)) >= steps // 2, overlapped
+
+
+def test_limits_set_on_one_replica_are_agreed_through_the_quorum(tmp_path, lighthouse):
+    """Limits changed on one replica only (replica 0's cap at step 2, replica 1's first bucket
+    at step 4): the change of quorum rank 0 reaches both replicas at that step, the other's is
+    undone; limits and layout equal on both at every step, parameters equal the float64 model."""
+    own_limits = {0: {"2": {"bucket_cap_bytes": 15_000}}, 1: {"4": {"first_bucket_bytes": 2_000}}}
+    procs = start_together(tmp_path, lighthouse, {
+        r: dict(steps=6, final_participants=2, limits=own_limits[r]) for r in range(2)})
+    wait_all(procs, tmp_path, time.monotonic() + WAIT_S)
+    recs = {r: records(tmp_path, r) for r in range(2)}
+    reference, committed_steps, committed = replay(recs[0] + recs[1])
+    assert all(len(committed[s]) == 2 for s in committed_steps), committed
+    for r in range(2):
+        final = torch.load(os.path.join(tmp_path, f"replica{r}.pt"))
+        assert max_error(final, reference) < TOLERANCE
+    at = {r: {rec["step"]: rec for rec in recs[r]} for r in range(2)}
+    assert at[0].keys() == at[1].keys()
+    for step in at[0]:
+        assert at[0][step]["caps"] == at[1][step]["caps"], step
+        assert at[0][step]["layout"] == at[1][step]["layout"], step
+    rank0 = at[0][2]["quorum_rank"]
+    assert {at[0][2]["quorum_rank"], at[1][2]["quorum_rank"]} == {0, 1}
+    initial = at[0][0]["caps"]
+    if rank0 == 0:  # replica 0's cap taken at step 2 by both, replica 1's first bucket undone
+        assert at[1][1]["caps"] == initial and at[1][2]["caps"][-1] == 15_000
+        assert at[1][1]["layout"] != at[1][2]["layout"]
+        assert at[1][5]["caps"][0] == initial[0]
+    else:  # replica 0's cap undone, replica 1's first bucket taken at step 4 by both
+        assert at[0][3]["caps"] == initial and at[0][4]["caps"][0] == 2_000
+        assert at[0][3]["layout"] != at[0][4]["layout"]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "after_backward", "step"])

@@ -108,10 +108,13 @@ class OneGroupManager:
     def allreduce(self, tensor, reduce_op=None):
         done = torch.futures.Future()
         done.set_result([tensor])
-        return SimpleNamespace(_work=SimpleNamespace(get_future=lambda: done))
+        return SimpleNamespace(_work=SimpleNamespace(get_future=lambda: done), wait=lambda: True)
 
     def num_participants(self):
         return 1
+
+    def participating_rank(self):
+        return 0
 
     def current_step(self):
         return 1  # not a step of the health exchange (straggler_interval=10: steps 0, 10, ...)

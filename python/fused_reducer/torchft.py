@@ -22,12 +22,14 @@ unreduced, and ``should_commit()`` returns False, so the optimizer wrapper skips
 whatever the model is.
 
 The bucket layout must be the same on every replica group at every step, rebuilds included:
+each forward first agrees the limits (``bucket_caps_bytes``, ``last_bucket_bytes``,
+``reduce_dtype``), the pending rebuild and the parameter order with quorum rank 0 through the
+Manager, rank 0's winning (Note [Layout agreed through the quorum]).
 ``state_dict_fns(model, optimizer)`` gives the (load_state_dict, state_dict) pair for the
 Manager; the state a healing replica receives carries the model, the optimizer, the reducer's
-limits (``bucket_caps_bytes``, ``last_bucket_bytes``, ``reduce_dtype``) and the parameter order
-of the layout in force, and loading it makes the next forward rebuild exactly that layout (or,
-if the limits are changed after the heal and before that forward, as every replica changes them
-at that step, the layout of the new limits from that order, as on every replica).
+limits and the parameter order of its next layout, and loading it makes the next forward
+rebuild exactly that layout (or, if the limits are changed after the heal and before that
+forward, the layout of the new limits from that order, as on every replica).
 
 A replica group of several ranks (``process_group``, by default the default group that torchrun
 gives each replica group; every rank has its own Manager, ``Manager(rank=group rank,
@@ -353,7 +355,9 @@ class DistributedDataParallel(FusedReducer):
             self.register_comm_hook(self.group_reduction, group_hook)
 
     def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)  # applies a received layout (a rebuild)
+        if torch.is_grad_enabled():  # where the reducer applies a pending rebuild
+            agree_layout(self)  # Note [Layout agreed through the quorum]
+        out = super().forward(*args, **kwargs)  # applies a received or agreed layout (a rebuild)
         if self.expected_layout is not None:
             (limits, expected), self.expected_layout = self.expected_layout, None
             got = [list(b) for b in self.bucket_parameter_names()]
@@ -396,16 +400,9 @@ def reducer_state(model):
     the bucket parameter names it must produce (None where they are only known after that
     forward)."""
     reducer = _reducer_of(model)
-    stats = reducer.stats()
-    if stats["step"] >= 1 and stats["rebuilds"] == 0:
-        # After the first backward and before the next forward (a heal at step 1): that forward
-        # rebuilds from the gradient-ready order just observed, as DDP does, not the layout in
-        # force (found by a replica group joining a peer that had trained one step alone).
-        order = list(reducer.last_ready_order())
-        expected = None
-    else:
-        order = [i for bucket in reducer.bucket_params() for i in bucket]
-        expected = [list(b) for b in model.bucket_parameter_names()]
+    order = _next_layout_order(reducer)
+    expected = (None if reducer.rebuild_pending()
+                else [list(b) for b in model.bucket_parameter_names()])
     names = _param_names(model)
     dtype = model.reduce_dtype
     return {
@@ -415,6 +412,16 @@ def reducer_state(model):
         "layout_order": [names[i] for i in order],
         "bucket_parameter_names": expected,
     }
+
+
+def _next_layout_order(reducer):
+    """The parameter indices, in order, that the layout of the next forward is built from."""
+    if reducer.rebuild_pending():
+        # That forward rebuilds (after the first backward, or for a limit just set) from the
+        # gradient-ready order last observed, as DDP does, not from the layout in force (found by
+        # a replica group joining a peer that had trained one step alone).
+        return list(reducer.last_ready_order())
+    return [i for bucket in reducer.bucket_params() for i in bucket]
 
 
 def _param_names(model):
@@ -433,19 +440,95 @@ def load_reducer_state(model, state):
         raise FusedReducerError(
             "fused_reducer.torchft: the received layout names other parameters than this "
             "model's; replica groups must train the same model")
-    model.bucket_caps_bytes = list(state["bucket_caps_bytes"])
-    model.last_bucket_bytes = int(state["last_bucket_bytes"])
     dtype = state["reduce_dtype"]
-    model.reduce_dtype = None if dtype is None else getattr(torch, dtype)
-    _reducer_of(model).request_rebuild_from_order([index[n] for n in order])
+    _rebuild_as(model, state["bucket_caps_bytes"], state["last_bucket_bytes"],
+                None if dtype is None else getattr(torch, dtype), [index[n] for n in order])
     expected = state["bucket_parameter_names"]
     model.expected_layout = (_limits(model),
                              None if expected is None else [list(b) for b in expected])
 
 
+def _rebuild_as(model, caps, last_bucket_bytes, reduce_dtype, order):
+    """Set the limits and make the next forward rebuild from `order` (parameter indices)."""
+    model.bucket_caps_bytes = list(caps)
+    model.last_bucket_bytes = int(last_bucket_bytes)
+    model.reduce_dtype = reduce_dtype
+    _reducer_of(model).request_rebuild_from_order(list(order))
+
+
 def _limits(model):
     """What a layout is built from, besides the parameter order."""
     return list(model.bucket_caps_bytes), int(model.last_bucket_bytes), model.reduce_dtype
+
+
+# -- the layout agreed through the quorum -----------------------------------------------------
+# Note [Layout agreed through the quorum]
+# Every replica group must lay its buckets out alike at every step, or the Manager's all-reduces
+# would pair buckets of different sizes (a size error in the process group) or, worse, buckets of
+# one size holding different parameters. Inside a group the reducer's rebuild already takes group
+# rank 0's limits and order (Note [Persistent limits]). Across groups, each training forward
+# first agrees on what its layout is built from, as the participant of quorum rank 0 has it
+# (its value wins, as rank 0's does inside a group): the limits (bucket_caps_bytes,
+# last_bucket_bytes, reduce_dtype), whether it rebuilds at this forward, and the parameter order
+# the layout is built from (reducer_state's). One small all-reduce through the Manager carries
+# it: rank 0 writes its row, every other participant zeros (a healing or spare replica's row is
+# zeroed by the Manager anyway). If rank 0 rebuilds, every replica rebuilds from rank 0's order
+# and limits; a replica whose limits or pending rebuild differ from rank 0's rebuilds to rank 0's
+# layout. So a limit changed at any step on rank 0 only reaches every replica at that step, one
+# changed on another replica only is undone there (as inside a group), and the first step's
+# rebuild uses rank 0's gradient-ready order on every replica. If the all-reduce fails the step
+# is not committed and nothing is applied. The heal carries the same state (reducer_state), for
+# the forward before which the healing replica takes part in this agreement.
+MAX_BUCKET_LIMITS = 16  # entries of bucket_caps_bytes carried by the agreement
+_DTYPE_CODES = (None, torch.bfloat16, torch.float16, torch.float32)
+
+
+def _agreement_row(model):
+    """This replica's row of the agreement: [1, rebuilds, number of limits, the limits padded to
+    MAX_BUCKET_LIMITS, last_bucket_bytes, reduce_dtype's code, the order (parameter indices)]."""
+    reducer = _reducer_of(model)
+    caps = list(model.bucket_caps_bytes)
+    if len(caps) > MAX_BUCKET_LIMITS:
+        raise FusedReducerError(
+            f"fused_reducer.torchft: bucket_caps_bytes has {len(caps)} entries; at most "
+            f"{MAX_BUCKET_LIMITS} are agreed across replica groups: pass fewer limits (the "
+            "last one repeats for every later bucket)")
+    row = [1, int(reducer.rebuild_pending()), len(caps)]
+    row += caps + [0] * (MAX_BUCKET_LIMITS - len(caps))
+    row += [model.last_bucket_bytes, _DTYPE_CODES.index(model.reduce_dtype)]
+    row += _next_layout_order(reducer)
+    # float64: every byte count and index below 2**53 is exact; on the parameters' device, where
+    # the Manager's process group reduces (NCCL: the GPU).
+    return torch.tensor(row, dtype=torch.float64, device=model.attachment.params[0].device)
+
+
+def _row_fields(row):
+    values = [int(v) for v in row.tolist()]
+    count = values[2]
+    tail = 3 + MAX_BUCKET_LIMITS
+    return {"rebuilds": bool(values[1]),
+            "limits": (values[3:3 + count], values[tail], _DTYPE_CODES[values[tail + 1]]),
+            "order": values[tail + 2:]}
+
+
+def agree_layout(model):
+    """Agree this forward's layout with quorum rank 0 (Note [Layout agreed through the
+    quorum]); returns True if this replica rebuilds to rank 0's."""
+    manager = model.manager
+    if manager.num_participants() == 0:
+        return False  # no quorum yet (a forward before the first zero_grad): nothing to agree
+    own = _agreement_row(model)
+    wire = own.clone() if manager.participating_rank() == 0 else torch.zeros_like(own)
+    # Waited for at once (torchft's own wait: an error is recorded by the Manager, not raised).
+    manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM).wait()
+    if manager.errored() is not None or wire[0].item() != 1:
+        return False  # the step will not be committed (or no participant of rank 0 wrote)
+    agreed, mine = _row_fields(wire), _row_fields(own)
+    if not agreed["rebuilds"] and (mine["rebuilds"], mine["limits"]) == (False, agreed["limits"]):
+        return False
+    caps, last_bucket_bytes, reduce_dtype = agreed["limits"]
+    _rebuild_as(model, caps, last_bucket_bytes, reduce_dtype, agreed["order"])
+    return True
 
 
 def state_dict_fns(model, optimizer=None):
