@@ -1043,5 +1043,7 @@ from mutations_checkpoints_profile_elastic import MUTATIONS as _CHECKPOINTS  # n
 from mutations_health_reports import MUTATIONS as _HEALTH_REPORTS  # noqa: E402
 from mutations_sharded_checkpoints import MUTATIONS as _SHARDED_CHECKPOINTS  # noqa: E402
 from mutations_large_models import MUTATIONS as _LARGE_MODELS  # noqa: E402
+from mutations_fault_tolerance import MUTATIONS as _FAULT_TOLERANCE  # noqa: E402
 
-MUTATIONS += _NORMS + _CHECKPOINTS + _HEALTH_REPORTS + _SHARDED_CHECKPOINTS + _LARGE_MODELS
+MUTATIONS += (_NORMS + _CHECKPOINTS + _HEALTH_REPORTS + _SHARDED_CHECKPOINTS + _LARGE_MODELS
+              + _FAULT_TOLERANCE)
