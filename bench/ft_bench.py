@@ -18,7 +18,8 @@ Whether the all-reduces start before backward ends, two ways:
   thread) that start before the end of the backward's last autograd function other than
   AccumulateGrad (whose evaluation holds the hooks, and torchft's wait in its hook), and the
   milliseconds of backward computation during which a `gloo:all_reduce` was running on gloo's
-  thread (0 when the hook waits for its bucket);
+  thread (0 when the hook waits for its bucket); fused_reducer.torchft's layout agreement (one
+  small all-reduce in the forward) counted apart;
 * timed hooks: every bucket's launch and completion (torchft's hook patched with a timed wrapper;
   fused_reducer.torchft's _managed_future likewise) and every gradient computed (a tensor hook
   per parameter): `launched_before_end`, buckets launched before the last gradient was computed,
@@ -85,17 +86,22 @@ def profiled_collectives(events):
     end of its last autograd function other than AccumulateGrad, whose evaluation holds the
     hooks, torchft's wait included), and the milliseconds of backward computation during which
     an all-reduce was executing (its ``gloo:all_reduce`` span on gloo's thread, or the NCCL
-    kernel's span; 0 when the hook waits for each bucket)."""
+    kernel's span; 0 when the hook waits for each bucket). All-reduces launched before the
+    backward's first autograd function (fused_reducer.torchft's layout agreement, in the
+    forward) are counted apart."""
     compute = [(e.time_range.start, e.time_range.end) for e in events
                if e.name.startswith("autograd::engine::evaluate_function:")
                and "AccumulateGrad" not in e.name]
     launches = [e.time_range.start for e in events if e.name == "c10d::allreduce_"]
     running = [(e.time_range.start, e.time_range.end) for e in events
                if e.name == "gloo:all_reduce" or "AllReduce" in e.name and "nccl" in e.name.lower()]
+    start = min((a for a, _ in compute), default=float("nan"))
     end = max((b for _, b in compute), default=float("nan"))
     overlap_us = sum(max(0.0, min(b, d) - max(a, c)) for a, b in compute for c, d in running)
-    return {"allreduces": len(launches),
-            "allreduces_before_backward_end": sum(t < end for t in launches),
+    in_forward = sum(t < start for t in launches)
+    return {"allreduces": len(launches) - in_forward,
+            "allreduces_in_forward": in_forward,
+            "allreduces_before_backward_end": sum(start <= t < end for t in launches),
             "compute_overlapped_ms": overlap_us / 1000}
 
 
@@ -417,6 +423,8 @@ def timing_phase(args, env):
             "profiled_steps": len(profiled),
             "profiler_allreduces_median": statistics.median(
                 row["allreduces"] for row in profiled),
+            "profiler_allreduces_in_forward_median": statistics.median(
+                row["allreduces_in_forward"] for row in profiled),
             "profiler_allreduces_before_backward_end_median": statistics.median(
                 row["allreduces_before_backward_end"] for row in profiled),
             "profiler_compute_overlapped_ms_median": round(statistics.median(
@@ -427,7 +435,8 @@ def timing_phase(args, env):
               f"launched before the last gradient (hooks, median) "
               f"{s['median_launched_before_end']}  steps with backward computing while a "
               f"bucket is reduced {s['steps_with_overlap']}/{s['steps']}  profiler: all-reduces "
-              f"{s['profiler_allreduces_median']}, started before the backward's end "
+              f"{s['profiler_allreduces_median']} (and {s['profiler_allreduces_in_forward_median']} "
+              f"in the forward), started before the backward's end "
               f"{s['profiler_allreduces_before_backward_end_median']}, backward computation "
               f"overlapped by an all-reduce {s['profiler_compute_overlapped_ms_median']} ms "
               f"(medians of {s['profiled_steps']})  every step committed by all: "
