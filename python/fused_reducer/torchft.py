@@ -478,7 +478,9 @@ def _limits(model):
 # changed on another replica only is undone there (as inside a group), and the first step's
 # rebuild uses rank 0's gradient-ready order on every replica. If the all-reduce fails the step
 # is not committed and nothing is applied. The heal carries the same state (reducer_state), for
-# the forward before which the healing replica takes part in this agreement.
+# the forward before which the healing replica takes part in this agreement. Every replica must
+# therefore run the same grad-enabled forwards between quorums (as each DDP rank runs the same
+# forwards): evaluate under torch.no_grad(), where no rebuild happens and nothing is agreed.
 MAX_BUCKET_LIMITS = 16  # entries of bucket_caps_bytes carried by the agreement
 _DTYPE_CODES = (None, torch.bfloat16, torch.float16, torch.float32)
 
