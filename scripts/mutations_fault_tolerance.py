@@ -31,7 +31,8 @@ MUTATIONS = [
     dict(
         id="ft-agreement-every-replica-writes-its-row",
         file=FT_PY,
-        edits=[("    wire = own.clone() if manager.participating_rank() == 0 else torch.zeros_like(own)",
+        edits=[("    wire = own.clone() if manager.participating_rank() == 0 else "
+                "torch.zeros_like(own)",
                 "    wire = own.clone()")],
         why="every participant writes its row into the agreement's sum: the sum of rows is no "
             "replica's limits or order (with two replicas the 'present' field is 2 and nothing "

@@ -575,8 +575,9 @@ def forget_dead_attempt_keys(timeout=timedelta(seconds=60)):
 # are turned off): with check_finite each replica counts the non-finite elements of its local
 # gradients (a pre-hook of each parameter's gradient accumulator, as they enter the buckets: a
 # Python call per parameter and step, paid only with check_finite), and it notes when its last
-# bucket was complete (in the comm hook, once per bucket); at the end of backward one small float64 all-reduce through
-# the Manager carries a row per participant (its slot: manager.participating_rank()), the same
+# bucket was complete (in the comm hook, once per bucket); at the end of backward one small
+# float64 all-reduce through the Manager carries a row per participant (its slot:
+# manager.participating_rank()), the same
 # on every replica afterwards, so every replica reaches the same verdict (every replica must be
 # given the same health keywords, as every other keyword). A non-finite gradient anywhere: every
 # replica reports the error to the Manager (should_commit() is then False on every replica, the
