@@ -239,6 +239,10 @@ def test_refused_under_a_changing_quorum(own_group):
     state["layout_order"] = state["layout_order"][:-1] + ["not.a.parameter"]
     with pytest.raises(FusedReducerError, match="other parameters"):
         ft.load_reducer_state(model, state)
+    model.bucket_caps_bytes = [10_000] * (ft.MAX_BUCKET_LIMITS + 1)
+    with pytest.raises(FusedReducerError, match="bucket_caps_bytes has 17 entries; at most 16"):
+        model(ft_worker.batch(0, 0)[0])  # the forward's agreement refuses it, naming the limit
+    model.bucket_caps_bytes = [10_000]
     count = len(list(model.parameters()))
     with pytest.raises(RuntimeError, match="out of range .* or repeated"):
         ft._reducer_of(model).request_rebuild_from_order([0] * count)
